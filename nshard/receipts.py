@@ -1,0 +1,88 @@
+"""Per-rank receipts of time, memory and bytes, the per-update metrics log, and the parameter root."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from nshard.data import write_json_atomic
+
+PROCESS_START = time.time()
+"""Import time of nshard.receipts: train.py imports it first thing, so this stands for process start."""
+
+
+def parameter_root(named_params) -> str:
+    """SHA-256 over every parameter's name, dtype, shape and bytes, in name order."""
+    h = hashlib.sha256()
+    for name, p in sorted(named_params, key=lambda kv: kv[0]):
+        t = p.detach().contiguous().cpu()
+        h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def peak_memory_bytes() -> dict:
+    """Peak accelerator memory allocated (GPU) and the process's peak resident set (ru_maxrss is KiB on Linux)."""
+    out = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if torch.cuda.is_available():
+        out["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    return out
+
+
+@dataclass
+class Receipt:
+    rank: int
+    world_size: int
+    update_s: list[float] = field(default_factory=list)
+    update_grad_bytes: list[int] = field(default_factory=list)
+    update_compressed: list[bool] = field(default_factory=list)
+    active_s: float = 0.0
+    other_collective_bytes: int = 0
+
+    def record_update(self, seconds: float, grad_bytes: int, other_bytes: int, compressed: bool) -> None:
+        self.update_s.append(seconds)
+        self.update_grad_bytes.append(grad_bytes)
+        self.update_compressed.append(compressed)
+        self.other_collective_bytes += other_bytes
+
+    def finish(self, path: Path, root: str, active_plus_checkpoint_s: float, extra: dict) -> dict:
+        body = {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "updates": len(self.update_s),
+            "active_s": self.active_s,
+            "active_plus_checkpoint_s": active_plus_checkpoint_s,
+            "process_s": time.time() - PROCESS_START,
+            "update_s": self.update_s,
+            "grad_collective_bytes": sum(self.update_grad_bytes),
+            "update_grad_bytes": self.update_grad_bytes,
+            "update_compressed": self.update_compressed,
+            "other_collective_bytes": self.other_collective_bytes,
+            "parameter_root": root,
+            **peak_memory_bytes(),
+            **extra,
+        }
+        write_json_atomic(path, body)
+        return body
+
+
+class MetricsLog:
+    """metrics.jsonl, one line per update, written by rank 0 only; other ranks get a null log with the same calls."""
+
+    def __init__(self, path: Path | None):
+        self._file = path.open("w") if path else None
+
+    def write(self, record: dict) -> None:
+        if self._file:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()

@@ -1,0 +1,67 @@
+"""Entry point started by the deepspeed launcher (or torchrun, or mpirun): parse, build, run, close.
+
+    deepspeed --hostfile hostfile nshard/train.py --ds_config ds_configs/dense.json [--plan P] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # launched as a script path: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nshard import receipts  # noqa: E402,F401  (first import: marks process start)
+from nshard.launch_env import prepare_process_env  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from nshard.plan import DEFAULT_PLAN
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ds_config", required=True, help="DeepSpeed JSON (optimizer, schedule, precision, ZeRO, nshard)")
+    parser.add_argument("--plan", default=str(DEFAULT_PLAN), help="experiment plan TOML (default: the embedded demo)")
+    parser.add_argument("--out", default=None, help="run directory (default: runs/<plan name>)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    prepare_process_env()
+    from nshard.data import DataError
+    from nshard.engine import DsConfigError, load_ds_config
+    from nshard.plan import PlanError, load_plan
+    from nshard.trainer import Run, RunError, preflight, run_training
+
+    try:  # bad input fails here, before any process group, run directory or model exists
+        plan = load_plan(args.plan)
+        ds_config = load_ds_config(args.ds_config)
+        preflight(plan)
+    except (PlanError, DsConfigError, DataError, FileNotFoundError) as exc:
+        print(f"nshard: error: {exc}", file=sys.stderr)
+        return 2
+    import torch.distributed as dist
+
+    from nshard.engine import init_distributed
+
+    init_distributed()
+    run = Run(plan, Path(args.plan), Path(args.ds_config), ds_config, Path(args.out) if args.out else plan.run_dir(),
+              dist.get_rank(), dist.get_world_size())
+    try:
+        run_training(run, overwrite=args.overwrite)
+        code = 0
+    except (PlanError, DsConfigError, DataError, RunError, FileNotFoundError) as exc:
+        print(f"nshard: error (rank {run.rank}): {exc}", file=sys.stderr)
+        code = 2
+    if code == 0:
+        dist.barrier()
+    dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

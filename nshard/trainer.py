@@ -1,0 +1,209 @@
+"""The training run: set up the run directory, prepare inputs, train with DeepSpeed, export, write receipts."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from nshard import data as data_mod
+from nshard import engine as engine_mod
+from nshard.loss import deepspeed_backward_scale, pad_microbatch, weighted_nll_sum
+from nshard.plan import Plan, file_sha256
+from nshard.receipts import MetricsLog, Receipt, parameter_root
+
+
+class RunError(RuntimeError):
+    """A run that must stop; the message says why and what to do."""
+
+
+@dataclass
+class Run:
+    plan: Plan
+    plan_path: Path
+    ds_config_path: Path
+    ds_config: dict
+    out: Path
+    rank: int
+    world: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def barrier() -> None:
+    dist.barrier()
+
+
+def all_ranks(obj) -> list:
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def preflight(plan: Plan) -> None:
+    """Check what can be checked before any process group exists: the model path and the replay file."""
+    from nshard.models import resolve_model
+    from nshard.replay import replay_documents
+
+    if plan.model.spec != "embedded" and not plan.model.spec.startswith("tiny"):
+        resolve_model(plan.model.spec)
+    if plan.data.replay_file and plan.data.replay_docs:
+        replay_documents(plan, None, None)
+
+
+def setup_run_dir(run: Run, overwrite: bool) -> None:
+    """Rank 0 makes the run directory and copies the plan and ds_config into it; a finished run is never clobbered silently."""
+    if run.is_main:
+        if run.out.exists() and any(run.out.iterdir()):
+            if not overwrite:
+                raise RunError(f"run directory {run.out} already exists; pass --out DIR or --overwrite")
+            shutil.rmtree(run.out)
+        run.out.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(run.plan_path, run.out / "plan.toml")
+        shutil.copyfile(run.ds_config_path, run.out / "ds_config.json")
+    barrier()
+
+
+def write_run_json(run: Run, status: str, **fields) -> None:
+    body = {"status": status, "plan": run.plan.name,
+            "plan_sha256": file_sha256(run.plan_path), "ds_config_sha256": file_sha256(run.ds_config_path),
+            "world_size": run.world, "updates": run.plan.train.updates,
+            "written_at": datetime.datetime.now(datetime.timezone.utc).isoformat(), **fields}
+    data_mod.write_json_atomic(run.out / "run.json", body)
+
+
+def prepare_inputs(run: Run, tokenizer, model_ref):
+    """Every rank prepares the inputs itself (deterministic, cheap) and all must agree on the identity."""
+    from nshard.replay import replay_documents
+
+    if run.is_main:  # generates and caches the seed model's replay answers once
+        replay_documents(run.plan, model_ref, tokenizer)
+    barrier()
+    replay = replay_documents(run.plan, model_ref, tokenizer)
+    docs, prepared, schedule, sets, identity = data_mod.prepare(run.plan, tokenizer, replay)
+    identities = all_ranks(identity)
+    if len(set(identities)) != 1:
+        raise RunError(f"ranks prepared different inputs: {identities}; check every host has the same files")
+    if run.is_main:
+        data_mod.write_prepared(run.out / "prepared", docs, prepared, schedule, sets, identity)
+        print(f"prepared identity {identity}", flush=True)
+    return prepared, schedule, identity
+
+
+def train_update(engine, reducer, run: Run, prepared, batch: list[int], pad_id: int, reverse_ranks=False) -> float:
+    """One optimizer update over a global batch; returns this rank's weighted NLL sum."""
+    t = run.plan.train
+    lengths = [len(p.input_ids) for p in prepared]
+    global_weight = math.fsum(prepared[i].target_weight for i in batch)
+    share = data_mod.deal(batch, lengths, run.world, t.microbatch_docs, reverse_ranks)[run.rank]
+    scale = deepspeed_backward_scale(run.world) / global_weight
+    local_nll = 0.0
+    for step, micro in enumerate(share):
+        filler = not micro
+        docs = [prepared[i] for i in (micro or [share[0][0] if share[0] else batch[0]])]
+        ids, mask, weights = pad_microbatch(docs, pad_id, zero_weight=filler)
+        device = engine.device
+        logits = engine(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
+        nll = weighted_nll_sum(logits, ids.to(device), weights.to(device))
+        engine.backward(nll * scale, scale_wrt_gas=False)
+        local_nll += nll.item()
+        if step == len(share) - 1 and reducer is not None:
+            reducer.reduce_engine_grads(engine)
+        engine.step()
+    return local_nll
+
+
+def global_loss(local_nll: float, batch: list[int], prepared) -> float:
+    total = torch.tensor([local_nll], dtype=torch.float64)
+    dist.all_reduce(total)  # torch.distributed, not deepspeed.comm: kept out of the gradient byte count
+    return total.item() / math.fsum(prepared[i].target_weight for i in batch)
+
+
+def train(run: Run, engine, reducer, prepared, schedule, pad_id: int) -> Receipt:
+    from tqdm import tqdm
+
+    receipt = Receipt(run.rank, run.world)
+    counter = engine_mod.CollectiveCounter()
+    counter.take()
+    log = MetricsLog(run.out / "metrics.jsonl" if run.is_main else None)
+    engine.train()
+    start = time.perf_counter()
+    for update, batch in enumerate(tqdm(schedule, desc="updates", disable=not run.is_main)):
+        t0 = time.perf_counter()
+        lr = engine.optimizer.param_groups[0]["lr"]  # the rate this update steps with
+        compressed = bool(reducer and reducer.next_update_compressed())
+        local_nll = train_update(engine, reducer, run, prepared, batch, pad_id)
+        _sync()
+        seconds = time.perf_counter() - t0
+        counts = counter.take()
+        grad_bytes = counts["grad_bytes"] + (reducer.last_update_bytes() if reducer else 0)
+        receipt.record_update(seconds, grad_bytes, counts["other_bytes"], compressed)
+        loss = global_loss(local_nll, batch, prepared)
+        log.write({"update": update + 1, "loss": loss, "lr": lr, "update_s": seconds,
+                   "grad_bytes": grad_bytes, "compressed": compressed})
+    receipt.active_s = time.perf_counter() - start
+    log.close()
+    return receipt
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def export_model(run: Run, engine, tokenizer) -> str:
+    """Rank 0 writes model/ (safetensors) atomically; every rank computes the parameter root and all must agree."""
+    with engine_mod.full_parameters(engine):
+        root = parameter_root(engine.module.named_parameters())
+        if run.is_main:
+            tmp = run.out / "model.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            engine.module.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            tmp.replace(run.out / "model")
+    roots = all_ranks(root)
+    if len(set(roots)) != 1:
+        raise RunError(f"ranks disagree on the parameter root: {roots}; the replicas diverged, do not use this run")
+    return root
+
+
+def run_training(run: Run, overwrite: bool = False) -> dict:
+    from nshard.models import load_model, load_tokenizer, resolve_model
+
+    setup_run_dir(run, overwrite)
+    if run.is_main:
+        write_run_json(run, "running")
+    model_ref = resolve_model(run.plan.model.spec) if run.is_main else None
+    barrier()  # rank 0 converts the embedded model once; the others then find it cached
+    model_ref = model_ref or resolve_model(run.plan.model.spec)
+    tokenizer = load_tokenizer(model_ref)
+    prepared, schedule, identity = prepare_inputs(run, tokenizer, model_ref)
+    torch.manual_seed(run.plan.train.seed)
+    model = load_model(model_ref)
+    config = engine_mod.complete_ds_config(run.ds_config, run.plan, run.world)
+    engine = engine_mod.build_engine(model, config)
+    reducer = engine_mod.install_reducer(engine, run.ds_config.get("nshard"))
+    receipt = train(run, engine, reducer, prepared, schedule, tokenizer.pad_token_id)
+    t0 = time.perf_counter()
+    root = export_model(run, engine, tokenizer)
+    active_plus_checkpoint = receipt.active_s + time.perf_counter() - t0
+    extra = {"zero_stage": engine_mod.zero_stage(engine), "reducer": reducer.describe() if reducer else "deepspeed",
+             "prepared_identity": identity}
+    body = receipt.finish(run.out / "receipts" / f"rank-{run.rank}.json", root, active_plus_checkpoint, extra)
+    barrier()
+    if run.is_main:
+        write_run_json(run, "complete", prepared_identity=identity, parameter_root=root,
+                       model={"spec": model_ref.spec, "kind": model_ref.kind, "sha256": model_ref.sha256},
+                       zero_stage=extra["zero_stage"], reducer=extra["reducer"])
+        print(json.dumps({"run": str(run.out), "parameter_root": root, "active_s": round(body["active_s"], 3)}),
+              flush=True)
+    return body

@@ -1,0 +1,7 @@
+import os
+from pathlib import Path
+
+# One model/replay cache for the whole session (and for the ranks the tests launch), inside the checkout.
+os.environ.setdefault("NSHARD_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "nshard"))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")

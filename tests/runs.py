@@ -1,0 +1,61 @@
+"""Launch real nshard runs from tests: the deepspeed launcher, gloo ranks, one master port each."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parent.parent
+DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+    env.update(extra or {})
+    return env
+
+
+def launch(out: Path, ds_config, world: int = 2, plan: str | Path = REPO / "launch/plans/tiny.toml",
+           extra_args=(), check=True, timeout=600) -> subprocess.CompletedProcess:
+    """deepspeed --hostfile ... nshard/train.py with a ds_config path or dict; world 1 uses --num_gpus 1."""
+    if isinstance(ds_config, dict):
+        path = out.parent / f"{out.name}-ds_config.json"
+        path.write_text(json.dumps(ds_config))
+        ds_config = path
+    if world == 2:
+        where = ["--hostfile", str(REPO / "hostfile"), "--no_ssh_check", "--master_addr", "127.0.0.1"]
+    else:
+        where = ["--num_gpus", str(world)]
+    cmd = [DEEPSPEED, *where, "--master_port", str(free_port()), str(REPO / "nshard/train.py"),
+           "--ds_config", str(ds_config), "--plan", str(plan), "--out", str(out), *extra_args]
+    proc = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"run failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def ds_config(name: str = "dense", **overrides) -> dict:
+    config = json.loads((REPO / "ds_configs" / f"{name}.json").read_text())
+    config.update(overrides)
+    return config
+
+
+def receipts(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((out / "receipts").glob("rank-*.json"))]
+
+
+def final_params(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "model" / "model.safetensors"))

@@ -1,0 +1,102 @@
+"""Bad input gets one clear error naming the problem, a non-zero exit, and no run directory."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from nshard.data import prepare
+from nshard.models import load_tokenizer, resolve_model
+from nshard.plan import PlanError, load_plan, plan_from_dict
+from nshard.replay import replay_documents
+from runs import REPO, run_env
+
+TINY = (REPO / "launch/plans/tiny.toml").read_text()
+
+
+def train_cli(tmp_path, plan_text, ds_config="ds_configs/dense.json"):
+    plan = tmp_path / "plan.toml"
+    plan.write_text(plan_text)
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "nshard/train.py", "--ds_config", str(ds_config), "--plan", str(plan),
+                           "--out", str(out)], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert not out.exists(), "a rejected run left a run directory behind"
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("nshard: error")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    return errors[0]
+
+
+def test_unknown_plan_key(tmp_path):
+    msg = train_cli(tmp_path, TINY.replace("[train]", "[train]\nlearning_rate = 3"))
+    assert "train.learning_rate" in msg
+
+
+def test_negative_batch_size(tmp_path):
+    msg = train_cli(tmp_path, TINY.replace("global_batch_docs = 6", "global_batch_docs = -6"))
+    assert "train.global_batch_docs" in msg and "positive" in msg
+
+
+def test_missing_model_path(tmp_path):
+    msg = train_cli(tmp_path, TINY.replace('spec = "tiny"', f'spec = "{tmp_path}/no-such-model"'))
+    assert "no-such-model" in msg and "does not exist" in msg
+
+
+def test_conversation_without_assistant_turn(tmp_path):
+    bad = tmp_path / "replay.jsonl"
+    lines = (REPO / "launch/data/replay_general.jsonl").read_text().splitlines()
+    lines[2] = json.dumps({"messages": [{"role": "user", "content": "hello?"}]})
+    bad.write_text("\n".join(lines) + "\n")
+    msg = train_cli(tmp_path, TINY.replace('"launch/data/replay_general.jsonl"', f'"{bad}"'))
+    assert f"{bad}:3" in msg and "no assistant turn" in msg
+
+
+def test_bad_ds_config(tmp_path):
+    cfg = json.loads((REPO / "ds_configs/dense.json").read_text())
+    cfg["nshard"] = {"reducer": "powersgd", "rank": 0}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    assert "nshard.rank" in train_cli(tmp_path, TINY, ds_config=path)
+
+
+def test_hostfile_line_that_does_not_parse(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\nworker-1 slots two\n")
+    proc = subprocess.run(["bash", "launch/run.sh", "--hostfile", str(hostfile), "--",
+                           "--ds_config", "ds_configs/dense.json"], cwd=REPO, env=run_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert f"{hostfile}:2" in proc.stderr and "HOST slots=N" in proc.stderr
+
+
+@pytest.mark.parametrize("bad", [{"name": 3}, {"data": {"families": ["lookup", "poetry"]}},
+                                 {"data": {"seed": 1, "eval_seed": 1}}, {"train": {"microbatch_docs": 1.5}},
+                                 {"data": {"retention_docs": 9, "replay_docs": 8}}])
+def test_plan_validation_names_the_key(bad):
+    with pytest.raises(PlanError) as err:
+        plan_from_dict(bad)
+    key = next(iter(bad))
+    assert key in str(err.value) or list(bad[key])[0] in str(err.value)
+
+
+def test_prepared_identity_is_stable_and_follows_the_seed():
+    plan = load_plan(REPO / "launch/plans/tiny.toml")
+    tok = load_tokenizer(resolve_model(plan.model.spec))
+    ident = lambda p: prepare(p, tok, replay_documents(p, None, tok))[-1]
+    first = ident(plan)
+    assert first == ident(load_plan(REPO / "launch/plans/tiny.toml"))
+    reseeded = dataclasses.replace(plan, data=dataclasses.replace(plan.data, seed=plan.data.seed + 1))
+    assert ident(reseeded) != first
+
+
+def test_response_tokens_carry_the_weight_and_prompts_none():
+    plan = load_plan(REPO / "launch/plans/tiny.toml")
+    tok = load_tokenizer(resolve_model(plan.model.spec))
+    docs, prepared, *_ = prepare(plan, tok, replay_documents(plan, None, tok))
+    doc, p = docs[0], prepared[0]
+    answer_ids = [i for i, w in zip(p.input_ids, p.weights) if w]
+    assert tok.decode(answer_ids) == doc.messages[-1]["content"] + "<|im_end|>"
+    assert p.weights[-1] == 0.0  # the template's newline after <|im_end|> is not trained

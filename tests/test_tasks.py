@@ -1,0 +1,183 @@
+"""Task families: determinism, identity, strict scoring, train/eval separation, hand-checked
+cases."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nshard import tasks
+from nshard.tasks import FAMILIES, Case, make_cases, split_cases
+from nshard.tasks import filtering, invoice, lookup, sorting
+
+ALL = sorted(FAMILIES)
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_generation_is_deterministic_and_json_serializable(family):
+    a = make_cases(family, 7, 0, 50)
+    b = make_cases(family, 7, 0, 50)
+    assert a == b
+    assert make_cases(family, 7, 10, 5) == a[10:15]
+    for case in a:
+        assert Case.from_dict(json.loads(json.dumps(case.to_dict()))) == case
+    assert [c.payload for c in make_cases(family, 8, 0, 50)] != [c.payload for c in a]
+
+
+def test_generation_does_not_depend_on_the_process_hash_seed():
+    code = ("from nshard.tasks import make_cases, prompt, FAMILIES;"
+            "print([prompt(c) for f in sorted(FAMILIES) for c in make_cases(f, 3, 0, 5)])")
+    root = Path(__file__).resolve().parents[1]
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           cwd=root, env={**os.environ, "PYTHONHASHSEED": s}).stdout
+            for s in ("1", "2")}
+    assert len(outs) == 1
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_case_ids_are_distinct_and_stable(family):
+    cases = make_cases(family, 5, 0, 300)
+    assert len({c.case_id for c in cases}) == 300
+    assert cases[12].case_id == f"{family}-s5-000012"
+    assert (cases[12].family, cases[12].seed, cases[12].index) == (family, 5, 12)
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_prompts_state_the_answer_format_and_stay_short(family):
+    for case in make_cases(family, 1, 0, 100):
+        text = tasks.prompt(case)
+        assert "Answer with" in text
+        assert len(text) < 400, text
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_answer_scores_true_and_tolerates_only_whitespace_and_a_trailing_period(family):
+    for case in make_cases(family, 2, 0, 200):
+        ans = tasks.answer(case)
+        assert ans and ans == ans.strip()
+        for ok in (ans, f"  {ans}\n", f"{ans}.", f" {ans}. "):
+            assert tasks.score(case, ok), (ok, ans)
+        for bad in ("", ans + "..", "The answer is " + ans, ans + " x", ans.upper() + "Z",
+                    ans[:-1], ans + "0", f'"{ans}"', ans.replace(", ", ",")):
+            if bad != ans:
+                assert not tasks.score(case, bad), (bad, ans)
+
+
+def _list_perturbations(ans: str) -> list[str]:
+    items = ans.split(", ")
+    out = [", ".join(items[:-1]), ", ".join(items + items[:1]), " ".join(items), ",".join(items)]
+    if len(items) > 1:
+        out.append(", ".join(reversed(items)))
+        out.append(", ".join(items[1:] + items[:1]))
+    return [p for p in out if p != ans]
+
+
+@pytest.mark.parametrize("family", ["filtering", "sorting"])
+def test_list_answers_reject_reordered_dropped_or_extra_items(family):
+    for case in make_cases(family, 3, 0, 100):
+        for bad in _list_perturbations(tasks.answer(case)):
+            assert not tasks.score(case, bad), bad
+
+
+def test_invoice_rejects_near_misses_and_other_formats():
+    for case in make_cases("invoice", 3, 0, 100):
+        ans = tasks.answer(case)
+        cents = int(ans.replace(".", ""))
+        for bad in (invoice.money(cents + 1), invoice.money(cents - 1), "$" + ans, ans[:-1],
+                    ans.rstrip("0"), f"{cents / 100:,.2f}" if cents >= 100000 else ans + "0"):
+            if bad != ans:
+                assert not tasks.score(case, bad), bad
+
+
+def test_lookup_hand_checked():
+    case = Case("lookup-s0-000000", "lookup", 0, 0, {
+        "columns": ["name", "age", "city"],
+        "rows": [["Ava", 34, "Lima"], ["Ben", 51, "Oslo"], ["Cleo", 27, "Rome"],
+                 ["Dan", 40, "Oslo"]],
+        "row": "Ben", "column": "city"})
+    assert lookup.prompt(case) == ("name | age | city\nAva | 34 | Lima\nBen | 51 | Oslo\n"
+                                   "Cleo | 27 | Rome\nDan | 40 | Oslo\n"
+                                   "What is the city of Ben? Answer with the value only.")
+    assert lookup.answer(case) == "Oslo"
+    assert lookup.score(case, "Oslo.") and not lookup.score(case, "oslo")
+    age = Case("x", "lookup", 0, 0, {**case.payload, "row": "Cleo", "column": "age"})
+    assert lookup.answer(age) == "27" and not lookup.score(age, "27 years")
+
+
+def test_filtering_hand_checked():
+    payload = {"items": [["pen", 12], ["lamp", 80], ["mug", 45], ["tea", 3], ["vase", 60]],
+               "op": "above", "threshold": 44}
+    above = Case("f", "filtering", 0, 0, payload)
+    assert filtering.answer(above) == "lamp, mug, vase"
+    assert "Prices: pen 12, lamp 80, mug 45, tea 3, vase 60." in filtering.prompt(above)
+    below = Case("f", "filtering", 0, 0, {**payload, "op": "below"})
+    assert filtering.answer(below) == "pen, tea"
+    assert not filtering.score(below, "tea, pen")
+
+
+def test_filtering_threshold_never_ties_and_splits_the_list():
+    for case in make_cases("filtering", 4, 0, 500):
+        prices = [p for _, p in case.payload["items"]]
+        assert case.payload["threshold"] not in prices
+        kept = tasks.answer(case).split(", ")
+        assert 1 <= len(kept) < len(prices)
+
+
+def test_sorting_hand_checked():
+    case = Case("s", "sorting", 0, 0, {"numbers": [42, 7, 19, 88, 3], "order": "ascending"})
+    assert sorting.answer(case) == "3, 7, 19, 42, 88"
+    assert sorting.prompt(case).startswith("Numbers: 42, 7, 19, 88, 3.\nSort them in ascending")
+    desc = Case("s", "sorting", 0, 0, {"numbers": [42, 7, 19, 88, 3], "order": "descending"})
+    assert sorting.answer(desc) == "88, 42, 19, 7, 3"
+    assert not sorting.score(desc, "3, 7, 19, 42, 88")
+
+
+def test_invoice_hand_checked():
+    lines = [["pens", 3, 125], ["mugs", 2, 410], ["bulbs", 7, 99]]
+    case = Case("i", "invoice", 0, 0, {"lines": lines})
+    # 3 * 1.25 + 2 * 4.10 + 7 * 0.99 = 3.75 + 8.20 + 6.93 = 18.88
+    assert invoice.answer(case) == "18.88"
+    rows = "3 x pens at 1.25 each\n2 x mugs at 4.10 each\n7 x bulbs at 0.99 each"
+    assert rows in invoice.prompt(case)
+    assert invoice.score(case, "18.88.") and not invoice.score(case, "18.9")
+    assert invoice.money(5) == "0.05" and invoice.money(123456) == "1234.56"
+    even = Case("i", "invoice", 0, 0, {"lines": [["pens", 2, 250], ["mugs", 1, 500]]})
+    assert invoice.answer(even) == "10.00" and not invoice.score(even, "10")
+
+
+def test_generated_cases_are_pinned():
+    # Golden values: a change here means every stored case id now names different content.
+    assert tasks.answer(make_cases("sorting", 0, 1, 1)[0]) == "12, 27, 33, 55, 65, 74"
+    assert tasks.answer(make_cases("invoice", 0, 0, 1)[0]) == "154.14"
+    assert tasks.answer(make_cases("lookup", 0, 1, 1)[0]) == "1991"
+    assert tasks.answer(make_cases("filtering", 0, 1, 1)[0]) == "glove, lamp, yarn, fork"
+
+
+def test_split_has_fresh_evaluation_cases():
+    train, evaluation = split_cases(ALL, train_seed=0, eval_seed=1, n_train_per_family=200,
+                                    n_eval_per_family=50)
+    assert len(train) == 800 and len(evaluation) == 200
+    assert {c.seed for c in train} == {0} and {c.seed for c in evaluation} == {1}
+    assert not {c.case_id for c in train} & {c.case_id for c in evaluation}
+    assert not {tasks.prompt(c) for c in train} & {tasks.prompt(c) for c in evaluation}
+
+
+def test_split_refuses_overlap():
+    with pytest.raises(ValueError, match="must differ"):
+        split_cases(ALL, 3, 3, 10, 10)
+    with pytest.raises(ValueError, match="repeat"):
+        split_cases(["sorting", "sorting"], 0, 1, 10, 10)
+    with pytest.raises(ValueError, match="unknown task family"):
+        split_cases(["nope"], 0, 1, 10, 10)
+
+
+def test_overlap_check_catches_a_shared_prompt(monkeypatch):
+    # Force every sorting case to the same content so the explicit prompt check must fire.
+    fixed = {"numbers": [1, 2, 3, 4, 5], "order": "ascending"}
+    monkeypatch.setattr(sorting, "generate",
+                        lambda seed, index: tasks.base.new_case("sorting", seed, index, fixed))
+    with pytest.raises(ValueError, match="repeats the prompt"):
+        split_cases(["sorting"], 0, 1, 5, 5)
