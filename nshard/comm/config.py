@@ -1,0 +1,122 @@
+"""The `"nshard"` section of a ds_config: its fields, defaults, and the one error that lists every problem."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+REDUCERS = ("dense", "powersgd")
+ERROR_FEEDBACK_PLACES = ("device", "host")
+TRANSPORTS = ("torch", "mpi")
+
+
+class ConfigError(ValueError):
+    """A bad `nshard` section; `problems` holds one line per key, each naming `nshard.<key>` and its fix."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("invalid nshard config:\n  " + "\n  ".join(self.problems))
+
+
+@dataclass(frozen=True)
+class ReducerConfig:
+    """How gradients are averaged across data-parallel ranks."""
+
+    reducer: str = "dense"
+    """"dense" (plain flat all-reduce) or "powersgd" (low-rank compression with error feedback)."""
+    rank: int = 4
+    """PowerSGD approximation rank r; each compressed (n, m) gradient sends r*(n+m) floats."""
+    dense_warmup_updates: int = 10
+    """Updates reduced densely before compression starts (early training is sensitive to bias)."""
+    min_compression_rate: float = 2.0
+    """Compress an (n, m) matrix only if r*(n+m)*min_compression_rate <= n*m."""
+    error_feedback: str = "device"
+    """Where the fp32 error memory lives: "device" (with the grads) or "host" (CPU, pinned on CUDA)."""
+    warm_start: bool = True
+    """Reuse the previous update's Q instead of drawing a fresh one."""
+    seed: int = 0
+    """Seed of the projection RNG; identical on every rank so every replica draws the same Q."""
+    transport: str = "torch"
+    """"torch" (torch.distributed: gloo on CPU, NCCL on GPU) or "mpi" (mpi4py COMM_WORLD)."""
+
+    def __post_init__(self):
+        problems = field_problems(self)
+        if problems:
+            raise ConfigError(problems)
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass, but `"rank": true` is a typo, not a rank.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _choice_problem(key: str, value: Any, choices: tuple[str, ...]) -> str | None:
+    if value in choices and isinstance(value, str):
+        return None
+    options = " or ".join(f'"{c}"' for c in choices)
+    return f"nshard.{key} is {value!r}; set it to {options}"
+
+
+def field_problems(config: ReducerConfig) -> list[str]:
+    """Every impossible or wrongly typed field, each line naming the key and the fix."""
+    problems = [
+        _choice_problem("reducer", config.reducer, REDUCERS),
+        _choice_problem("error_feedback", config.error_feedback, ERROR_FEEDBACK_PLACES),
+        _choice_problem("transport", config.transport, TRANSPORTS),
+    ]
+    if not (_is_int(config.rank) and config.rank >= 1):
+        problems.append(f"nshard.rank is {config.rank!r}; set it to an integer >= 1 (e.g. 4)")
+    if not (_is_int(config.dense_warmup_updates) and config.dense_warmup_updates >= 0):
+        problems.append(
+            f"nshard.dense_warmup_updates is {config.dense_warmup_updates!r}; "
+            "set it to an integer >= 0 (0 compresses from the first update)"
+        )
+    if not (_is_number(config.min_compression_rate) and config.min_compression_rate > 0):
+        problems.append(
+            f"nshard.min_compression_rate is {config.min_compression_rate!r}; "
+            "set it to a number > 0 (e.g. 2)"
+        )
+    if not isinstance(config.warm_start, bool):
+        problems.append(f"nshard.warm_start is {config.warm_start!r}; set it to true or false")
+    if not (_is_int(config.seed) and 0 <= config.seed < 2**63):
+        problems.append(f"nshard.seed is {config.seed!r}; set it to an integer in [0, 2**63)")
+    return [p for p in problems if p is not None]
+
+
+def _unknown_key_problems(config: Mapping[str, Any]) -> list[str]:
+    known = [f.name for f in dataclasses.fields(ReducerConfig)]
+    problems = []
+    for key in sorted(k for k in config if k not in known):
+        close = difflib.get_close_matches(str(key), known, n=1)
+        hint = f'did you mean "{close[0]}"? ' if close else ""
+        problems.append(f"nshard.{key} is not a known key; {hint}remove it (known: {', '.join(known)})")
+    return problems
+
+
+def parse_config(config: Mapping[str, Any] | None) -> ReducerConfig:
+    """The section as a ReducerConfig, or one ConfigError listing unknown keys and bad values together."""
+    if config is None:
+        config = {}
+    if not isinstance(config, Mapping):
+        raise ConfigError([f"nshard must be a JSON object (dict), got {type(config).__name__}"])
+    problems = _unknown_key_problems(config)
+    known = {k: v for k, v in config.items() if k in {f.name for f in dataclasses.fields(ReducerConfig)}}
+    try:
+        parsed = ReducerConfig(**known)
+    except ConfigError as error:
+        problems += error.problems
+    if problems:
+        raise ConfigError(problems)
+    return parsed
+
+
+def validate_config(config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The section with defaults filled in, so the trainer can fail before any process group exists."""
+    return dataclasses.asdict(parse_config(config))

@@ -1,0 +1,87 @@
+"""Plain gradient averaging: one flat all-reduce over the concatenation of all gradients in sorted-name order."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from nshard.comm.layout import check_same_shapes
+from nshard.comm.ledger import ByteLedger
+from nshard.comm.transport import Transport
+
+
+def all_reduce_mean_(tensors: Sequence[torch.Tensor], transport: Transport) -> int:
+    """Average `tensors` over ranks in place through one flat buffer; return the bytes sent.
+
+    PowerSGD's warm-up and its dense 1-D remainder call this same function, which is what makes
+    warm-up updates bit-identical to the dense reducer.
+    """
+    if not tensors:
+        return 0
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    sent = transport.all_reduce_sum_(flat)
+    flat.div_(transport.world_size)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return sent
+
+
+def sorted_grads(named_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Sorted by name: every rank must issue the same collectives over the same concatenation."""
+    for name, grad in named_grads.items():
+        if not isinstance(grad, torch.Tensor):
+            # A rank that skips a parameter would desynchronise every later collective: refuse loudly.
+            raise ValueError(f"gradient of parameter {name!r} is {grad!r}; pass a tensor (zeros if unused)")
+    return {name: named_grads[name] for name in sorted(named_grads)}
+
+
+class ShapeRegistry:
+    """Parameter names and shapes a reducer was registered with, learned on first use or via register()."""
+
+    def __init__(self):
+        self.shapes: dict[str, torch.Size] | None = None
+
+    def register(self, named_shapes: Mapping[str, Sequence[int]], source: str = "register()") -> bool:
+        """Learn the shapes (True) or check them against the learned ones (False)."""
+        if self.shapes is None:
+            self.shapes = {name: torch.Size(named_shapes[name]) for name in sorted(named_shapes)}
+            return True
+        check_same_shapes(self.shapes, named_shapes, source)
+        return False
+
+
+class DenseReducer:
+    """Exact averaging, the reference every compressed reducer is tested against."""
+
+    def __init__(self, transport: Transport):
+        self.transport = transport
+        self.registry = ShapeRegistry()
+        self.ledger = ByteLedger()
+        self.updates = 0
+
+    def register(self, named_shapes: Mapping[str, Sequence[int]]) -> None:
+        self.registry.register(named_shapes)
+
+    def reduce(self, named_grads: Mapping[str, torch.Tensor]) -> None:
+        grads = sorted_grads(named_grads)
+        self.registry.register({n: g.shape for n, g in grads.items()}, "reduce() gradients")
+        sent = all_reduce_mean_(list(grads.values()), self.transport)
+        self.ledger.record(self.updates, False, dense=sent)
+        self.updates += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        shapes = self.registry.shapes or {}
+        return {
+            "updates": self.updates,
+            "shapes": {name: tuple(s) for name, s in shapes.items()},
+            "ledger": self.ledger.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state["shapes"]:  # a state saved before any reduce carries no shapes to check
+            self.registry.register(state["shapes"], "state_dict")
+        self.updates = int(state["updates"])
+        self.ledger.load_state_dict(state["ledger"])

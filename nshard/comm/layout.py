@@ -1,0 +1,116 @@
+"""Which gradients PowerSGD compresses, and where each one's P and Q live in the flat buffers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class MatrixSlot:
+    """One compressed gradient seen as an (n, m) matrix with rank-r factors P (n, r) and Q (m, r)."""
+
+    name: str
+    n: int
+    m: int
+    r: int
+    p_offset: int
+    q_offset: int
+
+
+@dataclass(frozen=True)
+class GroupSlot:
+    """Same-shape matrices whose P blocks are adjacent, so one batched QR orthogonalizes them all."""
+
+    n: int
+    m: int
+    r: int
+    count: int
+    p_offset: int
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """The compression plan; a pure function of (names, shapes, rank, min_compression_rate), so identical on all ranks."""
+
+    shapes: dict[str, torch.Size]
+    dense_names: tuple[str, ...]
+    matrices: tuple[MatrixSlot, ...]
+    groups: tuple[GroupSlot, ...]
+    p_numel: int
+    q_numel: int
+
+
+def p_block(p_flat: torch.Tensor, slot: MatrixSlot) -> torch.Tensor:
+    return p_flat[slot.p_offset : slot.p_offset + slot.n * slot.r].view(slot.n, slot.r)
+
+
+def q_block(q_flat: torch.Tensor, slot: MatrixSlot) -> torch.Tensor:
+    return q_flat[slot.q_offset : slot.q_offset + slot.m * slot.r].view(slot.m, slot.r)
+
+
+def p_group(p_flat: torch.Tensor, group: GroupSlot) -> torch.Tensor:
+    return p_flat[group.p_offset : group.p_offset + group.count * group.n * group.r].view(
+        group.count, group.n, group.r
+    )
+
+
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
+    """The (shape[0], rest) matrix view PowerSGD compresses."""
+    n = shape[0]
+    return n, (torch.Size(shape).numel() // n if n else 0)
+
+
+def effective_rank(n: int, m: int, rank: int) -> int:
+    # A P with more columns than rows cannot be orthonormal; r = min(n, m) already reconstructs exactly.
+    return min(rank, n, m)
+
+
+def should_compress(shape: Sequence[int], rank: int, min_compression_rate: float) -> bool:
+    """Compress when r*(n+m)*min_compression_rate <= n*m; vectors and scalars always go dense."""
+    if len(shape) < 2 or torch.Size(shape).numel() == 0:
+        return False
+    n, m = matrix_shape(shape)
+    return effective_rank(n, m, rank) * (n + m) * min_compression_rate <= n * m
+
+
+def _group_by_shape(names: list[str], shapes: Mapping[str, torch.Size]) -> dict[tuple[int, int], list[str]]:
+    # Insertion order = first appearance in sorted names: deterministic, so collectives line up on all ranks.
+    groups: dict[tuple[int, int], list[str]] = {}
+    for name in names:
+        groups.setdefault(matrix_shape(shapes[name]), []).append(name)
+    return groups
+
+
+def build_layout(named_shapes: Mapping[str, Sequence[int]], rank: int, min_compression_rate: float) -> Layout:
+    """Sort names, split dense from compressed, and give every compressed matrix its P and Q offsets."""
+    shapes = {name: torch.Size(named_shapes[name]) for name in sorted(named_shapes)}
+    compressed = [name for name, s in shapes.items() if should_compress(s, rank, min_compression_rate)]
+    dense_names = tuple(name for name in shapes if name not in set(compressed))
+    matrices, groups, p_offset, q_offset = [], [], 0, 0
+    for (n, m), members in _group_by_shape(compressed, shapes).items():
+        r = effective_rank(n, m, rank)
+        groups.append(GroupSlot(n, m, r, len(members), p_offset))
+        for name in members:
+            matrices.append(MatrixSlot(name, n, m, r, p_offset, q_offset))
+            p_offset += n * r
+            q_offset += m * r
+    return Layout(shapes, dense_names, tuple(matrices), tuple(groups), p_offset, q_offset)
+
+
+def check_same_shapes(expected: Mapping[str, torch.Size], actual: Mapping[str, Sequence[int]], source: str) -> None:
+    """Raise ValueError naming the first parameter whose presence or shape differs between the two."""
+    missing = sorted(set(expected) - set(actual))
+    if missing:
+        raise ValueError(f"{source} lacks parameter {missing[0]!r} that the reducer was registered with")
+    extra = sorted(set(actual) - set(expected))
+    if extra:
+        raise ValueError(f"{source} has parameter {extra[0]!r} that the reducer was not registered with")
+    for name in sorted(expected):
+        if torch.Size(actual[name]) != expected[name]:
+            raise ValueError(
+                f"{source} gives parameter {name!r} shape {tuple(actual[name])}, "
+                f"but the reducer was registered with {tuple(expected[name])}"
+            )

@@ -1,0 +1,182 @@
+"""PowerSGD (Vogels et al., 2019) keyed by parameter name: rank-r gradient averaging with fp32 error feedback.
+
+One update: dense 1-D remainder in one flat all-reduce; M = grad + error; P = M Q, summed over ranks
+in one all-reduce; P orthonormalized (identical on every rank, since the summed P is); Q = Mᵀ P, averaged
+in one all-reduce; output P Qᵀ (already the average) written into the gradient; new error = M - output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from nshard.comm.checkpoint import load_powersgd_state_dict, powersgd_state_dict
+from nshard.comm.config import ReducerConfig
+from nshard.comm.dense import ShapeRegistry, all_reduce_mean_, sorted_grads
+from nshard.comm.feedback import ErrorMemory, build_error_memory
+from nshard.comm.layout import Layout, MatrixSlot, build_layout, p_block, p_group, q_block
+from nshard.comm.ledger import ByteLedger
+from nshard.comm.transport import Transport
+
+
+@dataclass
+class PowerSGDState:
+    """Everything PowerSGD keeps between updates, grouped like PyTorch's PowerSGDState."""
+
+    # Hyperparameters.
+    rank: int
+    dense_warmup_updates: int
+    min_compression_rate: float
+    warm_start: bool
+    # Internal state (all of it saved by state_dict).
+    generator: torch.Generator
+    errors: ErrorMemory
+    registry: ShapeRegistry = field(default_factory=ShapeRegistry)
+    layout: Layout | None = None
+    q_flat: torch.Tensor | None = None
+    p_flat: torch.Tensor | None = None  # scratch, reallocated only if the device changes
+    updates: int = 0
+    # Statistics.
+    ledger: ByteLedger = field(default_factory=ByteLedger)
+
+
+def as_matrix(grad: torch.Tensor) -> torch.Tensor:
+    return grad.reshape(grad.shape[0], -1)
+
+
+def draw_q(generator: torch.Generator, numel: int, device: torch.device) -> torch.Tensor:
+    """Gaussian Q drawn on CPU from the shared generator: same seed and order give the same Q on every replica."""
+    return torch.randn(numel, generator=generator, dtype=torch.float32).to(device)
+
+
+def compute_p(state: PowerSGDState, grads: Mapping[str, torch.Tensor]) -> None:
+    """P = M Q for every compressed matrix, each written into its block of the flat P buffer."""
+    for slot in state.layout.matrices:
+        m = state.errors.matrix(slot.name, as_matrix(grads[slot.name]))
+        torch.matmul(m, q_block(state.q_flat, slot), out=p_block(state.p_flat, slot))
+
+
+def orthogonalize(state: PowerSGDState) -> None:
+    """Orthonormal columns for every summed P, one batched Householder QR per shape group.
+
+    QR rather than Gram-Schmidt: it stays orthonormal on rank-deficient (even all-zero) P without an
+    epsilon, and it is deterministic, so ranks holding the same summed P get the same result.
+    """
+    for group in state.layout.groups:
+        block = p_group(state.p_flat, group)
+        block.copy_(torch.linalg.qr(block).Q)
+
+
+def compute_q(state: PowerSGDState, grads: Mapping[str, torch.Tensor]) -> None:
+    """Q = Mᵀ P (P orthonormal), each written into its block of the flat Q buffer."""
+    for slot in state.layout.matrices:
+        m = state.errors.matrix(slot.name, as_matrix(grads[slot.name]))
+        torch.matmul(m.T, p_block(state.p_flat, slot), out=q_block(state.q_flat, slot))
+
+
+def decompress(p: torch.Tensor, q: torch.Tensor, grad: torch.Tensor) -> None:
+    """Write P Qᵀ into the gradient, straight into its memory when it is contiguous fp32."""
+    if grad.dtype == torch.float32 and grad.is_contiguous():
+        torch.matmul(p, q.T, out=grad.view(grad.shape[0], -1))
+    else:
+        grad.copy_(torch.matmul(p, q.T).view(grad.shape))
+
+
+def update_error(state: PowerSGDState, slot: MatrixSlot, m: torch.Tensor, grad: torch.Tensor) -> None:
+    """Error = M - the output as delivered in the gradient's own dtype."""
+    state.errors.settle(slot.name, m, as_matrix(grad))
+
+
+def decompress_all(state: PowerSGDState, grads: Mapping[str, torch.Tensor]) -> None:
+    for slot in state.layout.matrices:
+        grad = grads[slot.name]
+        m = state.errors.matrix(slot.name, as_matrix(grad))  # before the gradient is overwritten
+        decompress(p_block(state.p_flat, slot), q_block(state.q_flat, slot), grad)
+        update_error(state, slot, m, grad)
+
+
+def prepare_buffers(state: PowerSGDState, device: torch.device) -> None:
+    """Allocate P, draw Q when needed (first compressed update, or every one without warm start), place errors."""
+    layout = state.layout
+    if state.p_flat is None or state.p_flat.device != device:
+        state.p_flat = torch.empty(layout.p_numel, dtype=torch.float32, device=device)
+    if state.q_flat is None or not state.warm_start:
+        state.q_flat = draw_q(state.generator, layout.q_numel, device)
+    elif state.q_flat.device != device:
+        state.q_flat = state.q_flat.to(device)
+    state.errors.ensure(layout.matrices, device)
+
+
+def compressed_update(state: PowerSGDState, grads: Mapping[str, torch.Tensor], transport: Transport) -> None:
+    """One PowerSGD update: dense remainder, then P and Q collectives, then output and error."""
+    layout = state.layout
+    dense_sent = all_reduce_mean_([grads[name] for name in layout.dense_names], transport)
+    if not layout.matrices:
+        state.ledger.record(state.updates, False, dense=dense_sent)
+        return
+    prepare_buffers(state, grads[layout.matrices[0].name].device)
+    for slot in layout.matrices:
+        state.errors.accumulate(slot.name, as_matrix(grads[slot.name]))
+    compute_p(state, grads)
+    p_sent = transport.all_reduce_sum_(state.p_flat)  # a sum: orthogonalization removes the scale
+    orthogonalize(state)
+    compute_q(state, grads)
+    q_sent = transport.all_reduce_sum_(state.q_flat)
+    state.q_flat.div_(transport.world_size)
+    decompress_all(state, grads)
+    state.ledger.record(state.updates, True, dense=dense_sent, p=p_sent, q=q_sent)
+
+
+class PowerSGDReducer:
+    """Averages gradients with PowerSGD after `dense_warmup_updates` plain dense updates.
+
+    Names and shapes are learned on the first reduce() (or register()) and checked on every later
+    one; state_dict() keys all numerical state by parameter name so checkpoints survive re-bucketing.
+    """
+
+    def __init__(self, config: ReducerConfig, transport: Transport):
+        self.transport = transport
+        self.state = PowerSGDState(
+            rank=config.rank,
+            dense_warmup_updates=config.dense_warmup_updates,
+            min_compression_rate=config.min_compression_rate,
+            warm_start=config.warm_start,
+            generator=torch.Generator(device="cpu").manual_seed(config.seed),
+            errors=build_error_memory(config.error_feedback),
+        )
+
+    @property
+    def updates(self) -> int:
+        return self.state.updates
+
+    @property
+    def ledger(self) -> ByteLedger:
+        return self.state.ledger
+
+    def register(self, named_shapes: Mapping[str, Sequence[int]], source: str = "register()") -> None:
+        """Fix the parameter names and shapes (and so the compression plan) before the first update."""
+        state = self.state
+        if state.registry.register(named_shapes, source):
+            state.layout = build_layout(state.registry.shapes, state.rank, state.min_compression_rate)
+
+    def reduce(self, named_grads: Mapping[str, torch.Tensor]) -> None:
+        """Average the gradients over ranks in place: dense during warm-up, PowerSGD after."""
+        grads = sorted_grads(named_grads)
+        self.register({name: g.shape for name, g in grads.items()}, "reduce() gradients")
+        state = self.state
+        if state.updates < state.dense_warmup_updates:
+            sent = all_reduce_mean_(list(grads.values()), self.transport)
+            state.ledger.record(state.updates, False, dense=sent)
+        else:
+            compressed_update(state, grads, self.transport)
+        state.updates += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Errors are live references (like nn.Module.state_dict); Q blocks are copies of the flat buffer."""
+        return powersgd_state_dict(self.state)
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        """Restore a saved state; refuses, naming the parameter, one whose names or shapes differ."""
+        load_powersgd_state_dict(self, saved)

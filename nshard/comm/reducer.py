@@ -1,0 +1,41 @@
+"""The reducer interface the engine relies on, and `build_reducer` from the ds_config's "nshard" section."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol, Sequence
+
+import torch
+
+from nshard.comm.config import parse_config
+from nshard.comm.dense import DenseReducer
+from nshard.comm.ledger import ByteLedger
+from nshard.comm.powersgd import PowerSGDReducer
+from nshard.comm.transport import build_transport
+
+
+class Reducer(Protocol):
+    """Averages one update's gradients over data-parallel ranks, in place."""
+
+    ledger: ByteLedger
+    updates: int
+
+    def register(self, named_shapes: Mapping[str, Sequence[int]]) -> None:
+        """Fix names and shapes up front; otherwise the first reduce() does, and later calls are checked."""
+        ...
+
+    def reduce(self, named_grads: Mapping[str, torch.Tensor]) -> None:
+        """One call per update; names are processed in sorted order so collectives match across ranks."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+def build_reducer(config: Mapping[str, Any] | None, group: Any = None) -> Reducer:
+    """A reducer for the "nshard" section; the config is validated before any transport is touched."""
+    parsed = parse_config(config)
+    transport = build_transport(parsed.transport, group)
+    if parsed.reducer == "dense":
+        return DenseReducer(transport)
+    return PowerSGDReducer(parsed, transport)

@@ -1,0 +1,81 @@
+"""Sum-all-reduce over torch.distributed or mpi4py behind one tiny interface, each call reporting its payload bytes."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+# numpy has no bfloat16 and MPI no half type: these are summed in fp32, as DeepSpeed's old MpiBackend did.
+_MPI_WIDENED = (torch.bfloat16, torch.float16)
+
+
+class Transport(Protocol):
+    """What a reducer needs from the wire: an in-place sum across ranks, and who is on it."""
+
+    world_size: int
+    rank: int
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> int:
+        """Sum `tensor` in place over all ranks; return the bytes this rank handed to the collective."""
+        ...
+
+
+def payload_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class TorchTransport:
+    """torch.distributed on `group` (None: the default group); gloo on CPU, NCCL on GPU."""
+
+    def __init__(self, group: Any = None):
+        if not dist.is_initialized():
+            raise RuntimeError(
+                'nshard.transport "torch" needs torch.distributed initialised '
+                "(deepspeed.init_distributed() or dist.init_process_group()) before build_reducer"
+            )
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> int:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        return payload_bytes(tensor)
+
+
+class MpiTransport:
+    """mpi4py Allreduce on numpy views of host tensors; `comm` defaults to COMM_WORLD."""
+
+    def __init__(self, comm: Any = None):
+        # Imported here: importing mpi4py.MPI initialises MPI, which must not happen under torchrun.
+        from mpi4py import MPI
+
+        self._mpi = MPI
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.world_size = self.comm.Get_size()
+        self.rank = self.comm.Get_rank()
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> int:
+        sent = tensor.detach()
+        if sent.device.type != "cpu" or sent.dtype in _MPI_WIDENED or not sent.is_contiguous():
+            sent = sent.to("cpu", torch.float32 if sent.dtype in _MPI_WIDENED else sent.dtype).contiguous()
+        array = sent.numpy()
+        self.comm.Allreduce(self._mpi.IN_PLACE, array, op=self._mpi.SUM)
+        if sent is not tensor:
+            tensor.copy_(sent)
+        return array.nbytes
+
+
+def build_transport(name: str, group: Any = None) -> Transport:
+    """The transport named by nshard.transport; for "mpi", `group` may be an mpi4py communicator."""
+    if name == "torch":
+        return TorchTransport(group)
+    if name == "mpi":
+        if group is not None and not hasattr(group, "Allreduce"):
+            raise ValueError(
+                'nshard.transport "mpi" takes no torch process group; pass group=None '
+                "(COMM_WORLD) or an mpi4py communicator"
+            )
+        return MpiTransport(group)
+    raise ValueError(f'nshard.transport is {name!r}; set it to "torch" or "mpi"')
