@@ -78,6 +78,16 @@ def complete_ds_config(config: dict, plan: Plan, world_size: int) -> dict:
     sched = config.get("scheduler", {}).get("params", {})
     if sched.get("total_num_steps", None) == "auto":
         sched["total_num_steps"] = t.updates
+    if "nshard" in config and ingest_mode(config):
+        # DeepSpeed sees one micro-step per update in ingest mode (see ReducerSeam).
+        config["gradient_accumulation_steps"] = 1
+        config["train_batch_size"] = t.microbatch_docs * world_size
+        zero = config.setdefault("zero_optimization", {})
+        for key in ("reduce_scatter", "overlap_comm"):
+            if zero.get(key, False):
+                raise DsConfigError(f"zero_optimization.{key}=true with an nshard reducer: set it to false "
+                                    "(the nshard reducer does the gradient reduction)")
+            zero[key] = False
     config.pop("nshard", None)
     return config
 
@@ -130,8 +140,10 @@ class CollectiveCounter:
             totals[name] = sum(size * rec[0] for size, rec in by_size.items())
         delta = {k: v - self._seen.get(k, 0) for k, v in totals.items() if v != self._seen.get(k, 0)}
         self._seen = totals
-        grad = sum(v for k, v in delta.items() if k.split("|")[0] in GRAD_OPS)
-        return {"grad_bytes": grad, "other_bytes": sum(delta.values()) - grad, "by_op": delta}
+        grad = sum(v for k, v in delta.items() if k in GRAD_OPS)
+        reducer = delta.get(REDUCER_LOG_NAME, 0)
+        return {"deepspeed_grad_bytes": grad, "logged_reducer_bytes": reducer,
+                "other_bytes": sum(delta.values()) - grad - reducer, "by_op": delta}
 
 
 def full_parameters(engine):
@@ -145,30 +157,122 @@ def full_parameters(engine):
     return contextlib.nullcontext()
 
 
-class ReducerSeam:
-    """An nshard reducer standing where DeepSpeed's gradient all-reduce stood.
+# ---------------------------------------------------------------- where the gradients are reduced
+#
+# DeepSpeed has no public hook for replacing its gradient reduction. Everything nshard touches
+# that is not public API is named here, and check_private_api() fails loudly if an upgrade moves
+# it. Verified on deepspeed 0.19.8 (pyproject pins >=0.19.8,<0.20).
+PRIVATE_ENGINE_ATTRS = ("enable_backward_allreduce",)
+PRIVATE_ZERO_ATTRS = ("gradient_reduction_w_predivide", "allreduce_bucket", "reduce_scatter", "overlap_comm")
 
-    Stage 0: DeepSpeed's `enable_backward_allreduce` seam; the trainer calls reduce_engine_grads
-    after the last microbatch's backward and before engine.step().
+
+class DeepSpeedAPIMoved(RuntimeError):
+    """A DeepSpeed upgrade moved a private attribute nshard's reducer seam depends on."""
+
+
+def check_private_api(engine) -> None:
+    import deepspeed
+
+    missing = [a for a in PRIVATE_ENGINE_ATTRS if not hasattr(engine, a)]
+    if zero_stage(engine) in (1, 2):
+        missing += [f"optimizer.{a}" for a in PRIVATE_ZERO_ATTRS if not hasattr(engine.optimizer, a)]
+    if missing:
+        raise DeepSpeedAPIMoved(f"deepspeed {deepspeed.__version__} lacks {missing}, which nshard's reducer seam "
+                                "replaces (verified on 0.19.8); pin deepspeed>=0.19.8,<0.20 or port nshard/engine.py")
+
+
+def _keep_local_bucket(tensor, communication_data_type):
+    """Stands in for ZeRO's gradient_reduction_w_predivide: the bucket already holds the reduced gradient."""
+    return tensor if tensor.dtype == communication_data_type else tensor.to(communication_data_type)
+
+
+def _silence_zero_reduction(optimizer) -> None:
+    """ZeRO-1/2 then take their own partition of a gradient every rank already holds, sending nothing."""
+    if optimizer.reduce_scatter or optimizer.overlap_comm:
+        raise DsConfigError("an nshard reducer under ZeRO-1/2 needs zero_optimization.reduce_scatter=false and "
+                            "overlap_comm=false (DeepSpeed's reduce-scatter path does its own reduction)")
+    optimizer.gradient_reduction_w_predivide = _keep_local_bucket
+    optimizer.allreduce_bucket = lambda bucket, communication_data_type, *args, **kwargs: _keep_local_bucket(
+        optimizer.flatten(bucket), communication_data_type)
+
+
+class DeepSpeedReduction:
+    """DeepSpeed's own gradient all-reduce; bytes come from its comms logger."""
+
+    name = "deepspeed"
+
+    def forward(self, engine, **inputs):
+        return engine(**inputs)
+
+    def backward_and_step(self, engine, loss, last: bool) -> None:
+        engine.backward(loss, scale_wrt_gas=False)
+        engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
+
+    def next_update_compressed(self) -> bool:
+        return False
+
+    def last_update_bytes(self) -> int:
+        return 0
+
+
+class ReducerSeam:
+    """An nshard reducer in place of DeepSpeed's gradient all-reduce.
+
+    Stage 0 in fp32 ("in place"): DeepSpeed's enable_backward_allreduce seam is switched off,
+    microbatch gradients accumulate in .grad through engine.backward, and after the last one the
+    reducer averages .grad in place before engine.step().
+
+    ZeRO-1/2 and bf16 ("ingest"): ZeRO-2 reduces at every micro-step and bf16 optimizers copy
+    .grad into their own fp32 buffers during backward, so .grad after backward is not what the
+    optimizer reads. Instead microbatch gradients are taken with torch.autograd.grad (no DeepSpeed
+    hook fires) and summed in fp32; the reducer averages them; one backward of
+    sum(param * reduced_grad) -- whose gradient is exactly reduced_grad -- then hands them to
+    DeepSpeed, whose reduction is replaced by a no-op, and engine.step() updates. DeepSpeed runs
+    with gradient_accumulation_steps=1 in this mode: it sees one micro-step per update.
     """
 
     def __init__(self, engine, reducer, section: dict):
-        if zero_stage(engine) != 0:
-            raise DsConfigError(f"nshard.reducer={section['reducer']} at zero_optimization.stage="
-                                f"{zero_stage(engine)} is not wired yet; use stage 0")
-        self.engine, self.reducer, self.section = engine, reducer, section
-        engine.enable_backward_allreduce = False
-        self.names = [n for n, p in engine.module.named_parameters() if p.requires_grad]
+        check_private_api(engine)
+        self.reducer, self.section, self.name = reducer, section, section["reducer"]
+        self.ingest = zero_stage(engine) in (1, 2) or engine.bfloat16_enabled() or engine.fp16_enabled()
+        if zero_stage(engine) in (1, 2):
+            _silence_zero_reduction(engine.optimizer)  # (switching the flag off breaks ZeRO-1/2's norm: KeyError)
+        else:
+            engine.enable_backward_allreduce = False
+        self.params = {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
+        self.reducer.register({n: tuple(p.shape) for n, p in self.params.items()})
+        self.accumulated: dict[str, torch.Tensor] = {}
 
-    def reduce_engine_grads(self, engine) -> None:
-        params = dict(engine.module.named_parameters())
-        named = {}
-        for name in self.names:
-            p = params[name]
+    def forward(self, engine, **inputs):
+        # In ingest mode the module is called directly: the engine's forward hooks its outputs so
+        # that any backward through them (torch.autograd.grad included) runs ZeRO's reduction epilogue.
+        return engine.module(**inputs) if self.ingest else engine(**inputs)
+
+    def backward_and_step(self, engine, loss, last: bool) -> None:
+        if not self.ingest:
+            engine.backward(loss, scale_wrt_gas=False)
+            if last:
+                self.reducer.reduce(self._grads_in_place())
+            engine.step()
+            return
+        grads = torch.autograd.grad(loss, list(self.params.values()), allow_unused=True)
+        for (name, p), g in zip(self.params.items(), grads):
+            acc = self.accumulated.setdefault(name, torch.zeros(p.shape, dtype=torch.float32, device=p.device))
+            if g is not None:
+                acc.add_(g)
+        if last:
+            self.reducer.reduce(self.accumulated)
+            surrogate = sum((p * self.accumulated[n].to(p.dtype)).sum() for n, p in self.params.items())
+            engine.backward(surrogate, scale_wrt_gas=False)
+            engine.step()
+            for acc in self.accumulated.values():
+                acc.zero_()
+
+    def _grads_in_place(self) -> dict[str, torch.Tensor]:
+        for p in self.params.values():
             if p.grad is None:  # every parameter takes part in every update, with a zero gradient if unused
                 p.grad = torch.zeros_like(p)
-            named[name] = p.grad
-        self.reducer.reduce(named)
+        return {n: p.grad for n, p in self.params.items()}
 
     def next_update_compressed(self) -> bool:
         s = self.section
@@ -177,15 +281,27 @@ class ReducerSeam:
     def last_update_bytes(self) -> int:
         return sum(self.reducer.ledger.records[-1]["bytes"].values())
 
-    def describe(self) -> str:
-        return self.section["reducer"]
+
+def ingest_mode(config: dict) -> bool:
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    return stage in (1, 2) or bool(config.get("bf16", {}).get("enabled")) or bool(config.get("fp16", {}).get("enabled"))
 
 
 def install_reducer(engine, section: dict | None):
-    """Build the nshard reducer named by the ds_config's "nshard" section, or None to keep DeepSpeed's all-reduce."""
+    """The gradient reduction named by the ds_config's "nshard" section (none: DeepSpeed's own)."""
     if section is None:
-        return None
+        return DeepSpeedReduction()
+    import functools
+
+    import deepspeed.comm as ds_comm
+
     from nshard.comm import build_reducer, validate_config
 
     section = validate_config(section)
-    return ReducerSeam(engine, build_reducer(section), section)
+    # Through deepspeed.comm under its own log name, so DeepSpeed's comms logger counts the
+    # reducer's traffic apart from DeepSpeed's own gradient collectives.
+    all_reduce = functools.partial(ds_comm.all_reduce, log_name=REDUCER_LOG_NAME)
+    return ReducerSeam(engine, build_reducer(section, all_reduce=all_reduce), section)
+
+
+REDUCER_LOG_NAME = "nshard_reducer"

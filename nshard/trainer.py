@@ -99,7 +99,7 @@ def prepare_inputs(run: Run, tokenizer, model_ref):
     return prepared, schedule, identity
 
 
-def train_update(engine, reducer, run: Run, prepared, batch: list[int], pad_id: int, reverse_ranks=False) -> float:
+def train_update(engine, seam, run: Run, prepared, batch: list[int], pad_id: int, reverse_ranks=False) -> float:
     """One optimizer update over a global batch; returns this rank's weighted NLL sum."""
     t = run.plan.train
     lengths = [len(p.input_ids) for p in prepared]
@@ -112,13 +112,10 @@ def train_update(engine, reducer, run: Run, prepared, batch: list[int], pad_id: 
         docs = [prepared[i] for i in (micro or [share[0][0] if share[0] else batch[0]])]
         ids, mask, weights = pad_microbatch(docs, pad_id, zero_weight=filler)
         device = engine.device
-        logits = engine(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
+        logits = seam.forward(engine, input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
         nll = weighted_nll_sum(logits, ids.to(device), weights.to(device))
-        engine.backward(nll * scale, scale_wrt_gas=False)
+        seam.backward_and_step(engine, nll * scale, last=step == len(share) - 1)
         local_nll += nll.item()
-        if step == len(share) - 1 and reducer is not None:
-            reducer.reduce_engine_grads(engine)
-        engine.step()
     return local_nll
 
 
@@ -128,7 +125,7 @@ def global_loss(local_nll: float, batch: list[int], prepared) -> float:
     return total.item() / math.fsum(prepared[i].target_weight for i in batch)
 
 
-def train(run: Run, engine, reducer, prepared, schedule, pad_id: int) -> Receipt:
+def train(run: Run, engine, seam, prepared, schedule, pad_id: int) -> Receipt:
     from tqdm import tqdm
 
     receipt = Receipt(run.rank, run.world)
@@ -140,16 +137,18 @@ def train(run: Run, engine, reducer, prepared, schedule, pad_id: int) -> Receipt
     for update, batch in enumerate(tqdm(schedule, desc="updates", disable=not run.is_main)):
         t0 = time.perf_counter()
         lr = engine.optimizer.param_groups[0]["lr"]  # the rate this update steps with
-        compressed = bool(reducer and reducer.next_update_compressed())
-        local_nll = train_update(engine, reducer, run, prepared, batch, pad_id)
+        compressed = seam.next_update_compressed()
+        local_nll = train_update(engine, seam, run, prepared, batch, pad_id)
         _sync()
         seconds = time.perf_counter() - t0
         counts = counter.take()
-        grad_bytes = counts["grad_bytes"] + (reducer.last_update_bytes() if reducer else 0)
+        reducer_bytes = seam.last_update_bytes()
+        grad_bytes = counts["deepspeed_grad_bytes"] + reducer_bytes
         receipt.record_update(seconds, grad_bytes, counts["other_bytes"], compressed)
         loss = global_loss(local_nll, batch, prepared)
-        log.write({"update": update + 1, "loss": loss, "lr": lr, "update_s": seconds,
-                   "grad_bytes": grad_bytes, "compressed": compressed})
+        log.write({"update": update + 1, "loss": loss, "lr": lr, "update_s": seconds, "compressed": compressed,
+                   "grad_bytes": grad_bytes, "deepspeed_grad_bytes": counts["deepspeed_grad_bytes"],
+                   "reducer_bytes": reducer_bytes, "logged_reducer_bytes": counts["logged_reducer_bytes"]})
     receipt.active_s = time.perf_counter() - start
     log.close()
     return receipt
@@ -191,12 +190,12 @@ def run_training(run: Run, overwrite: bool = False) -> dict:
     model = load_model(model_ref)
     config = engine_mod.complete_ds_config(run.ds_config, run.plan, run.world)
     engine = engine_mod.build_engine(model, config)
-    reducer = engine_mod.install_reducer(engine, run.ds_config.get("nshard"))
-    receipt = train(run, engine, reducer, prepared, schedule, tokenizer.pad_token_id)
+    seam = engine_mod.install_reducer(engine, run.ds_config.get("nshard"))
+    receipt = train(run, engine, seam, prepared, schedule, tokenizer.pad_token_id)
     t0 = time.perf_counter()
     root = export_model(run, engine, tokenizer)
     active_plus_checkpoint = receipt.active_s + time.perf_counter() - t0
-    extra = {"zero_stage": engine_mod.zero_stage(engine), "reducer": reducer.describe() if reducer else "deepspeed",
+    extra = {"zero_stage": engine_mod.zero_stage(engine), "reducer": seam.name,
              "prepared_identity": identity}
     body = receipt.finish(run.out / "receipts" / f"rank-{run.rank}.json", root, active_plus_checkpoint, extra)
     barrier()

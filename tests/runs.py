@@ -59,3 +59,31 @@ def receipts(out: Path) -> list[dict]:
 
 def final_params(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "model" / "model.safetensors"))
+
+
+_RUNS: dict[str, Path] = {}
+
+
+def cached_run(tmp_root: Path, name: str, config: dict, world: int = 2) -> Path:
+    """Launch once per test session per (name); later tests reuse the run directory."""
+    if name not in _RUNS:
+        out = tmp_root / name
+        launch(out, config, world=world)
+        _RUNS[name] = out
+    return _RUNS[name]
+
+
+def tiny_config(base: str = "dense", lr: float = 2e-3, stage: int | None = None, nshard: dict | None = None,
+                bf16: bool = False) -> dict:
+    """A ds_config for the tiny plan: a learning rate that visibly moves a random model."""
+    config = ds_config(base)
+    config["optimizer"]["params"]["lr"] = lr
+    config["scheduler"]["params"].update(warmup_min_lr=lr / 10, warmup_max_lr=lr)
+    if stage is not None:
+        config["zero_optimization"] = {"stage": stage, "reduce_scatter": False, "overlap_comm": False}
+        config["zero_allow_untested_optimizer"] = True
+    if nshard is not None:
+        config["nshard"] = nshard
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    return config

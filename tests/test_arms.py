@@ -9,19 +9,15 @@ from safetensors.torch import load_file
 
 from nshard.models import resolve_model
 
-from runs import ds_config, final_params, launch, receipts
-
-LR = {"optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}}}
+from runs import cached_run, final_params, receipts, tiny_config
 
 
 @pytest.fixture(scope="module")
-def arms(tmp_path_factory):
-    root = tmp_path_factory.mktemp("arms")
-    out = {}
-    for name, config, world in [("one", "dense", 1), ("dense", "dense", 2), ("zero1", "zero1", 2), ("zero2", "zero2", 2)]:
-        out[name] = root / name
-        launch(out[name], ds_config(config, **LR), world=world)
-    return out
+def arms(runs_root):
+    return {"one": cached_run(runs_root, "ds-one", tiny_config(), world=1),
+            "dense": cached_run(runs_root, "ds-dense", tiny_config()),
+            "zero1": cached_run(runs_root, "ds-zero1", tiny_config("zero1")),
+            "zero2": cached_run(runs_root, "ds-zero2", tiny_config("zero2"))}
 
 
 @pytest.mark.slow

@@ -32,10 +32,10 @@ class Reducer(Protocol):
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
-def build_reducer(config: Mapping[str, Any] | None, group: Any = None) -> Reducer:
+def build_reducer(config: Mapping[str, Any] | None, group: Any = None, all_reduce: Any = None) -> Reducer:
     """A reducer for the "nshard" section; the config is validated before any transport is touched."""
     parsed = parse_config(config)
-    transport = build_transport(parsed.transport, group)
+    transport = build_transport(parsed.transport, group, all_reduce)
     if parsed.reducer == "dense":
         return DenseReducer(transport)
     return PowerSGDReducer(parsed, transport)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,9 +27,13 @@ def payload_bytes(tensor: torch.Tensor) -> int:
 
 
 class TorchTransport:
-    """torch.distributed on `group` (None: the default group); gloo on CPU, NCCL on GPU."""
+    """torch.distributed on `group` (None: the default group); gloo on CPU, NCCL on GPU.
 
-    def __init__(self, group: Any = None):
+    `all_reduce` may stand in for torch.distributed.all_reduce with the same signature (the engine
+    passes deepspeed.comm.all_reduce, so DeepSpeed's comms logger sees the reducer's traffic too).
+    """
+
+    def __init__(self, group: Any = None, all_reduce: Callable | None = None):
         if not dist.is_initialized():
             raise RuntimeError(
                 'nshard.transport "torch" needs torch.distributed initialised '
@@ -38,9 +42,10 @@ class TorchTransport:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self._all_reduce = all_reduce or dist.all_reduce
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> int:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        self._all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         return payload_bytes(tensor)
 
 
@@ -67,10 +72,10 @@ class MpiTransport:
         return array.nbytes
 
 
-def build_transport(name: str, group: Any = None) -> Transport:
+def build_transport(name: str, group: Any = None, all_reduce: Callable | None = None) -> Transport:
     """The transport named by nshard.transport; for "mpi", `group` may be an mpi4py communicator."""
     if name == "torch":
-        return TorchTransport(group)
+        return TorchTransport(group, all_reduce)
     if name == "mpi":
         if group is not None and not hasattr(group, "Allreduce"):
             raise ValueError(
