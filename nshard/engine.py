@@ -113,7 +113,17 @@ def build_engine(model: torch.nn.Module, config: dict):
     config.setdefault("comms_logger", {"enabled": True, "verbose": False, "prof_all": True, "debug": False})
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                            model_parameters=None if optimizer else model.parameters())
+    if zero_stage(engine) == 0 and not (engine.bfloat16_enabled() or engine.fp16_enabled()):
+        # DeepSpeed's stage-0 zero_grad sets .grad to None; keep the buffers and zero them, so
+        # every parameter has a gradient (zero if unused) in every update and nothing is reallocated.
+        engine.zero_grad = lambda: _zero_grads_in_place(engine.module)
     return engine
+
+
+def _zero_grads_in_place(module: torch.nn.Module) -> None:
+    for p in module.parameters():
+        if p.grad is not None:
+            p.grad.zero_()
 
 
 def init_distributed() -> None:
@@ -124,6 +134,33 @@ def init_distributed() -> None:
 
 def zero_stage(engine) -> int:
     return engine.zero_optimization_stage()
+
+
+def optimizer_memory(engine) -> dict[str, int]:
+    """This rank's optimizer memory, measured on the innermost torch optimizer (under DeepSpeed's ZeRO,
+    bf16 and fp16 wrappers, which keep it at `.optimizer`).
+
+    optimizer_state_bytes: every tensor in its `state` (AdamW's exp_avg, exp_avg_sq, step); under
+    ZeRO-1/2 that is this rank's partition. master_param_bytes: the tensors it steps that share no
+    storage with the module's parameters (ZeRO's single_partition_of_fp32_groups, a bf16/fp16
+    optimizer's fp32 masters); 0 when it steps the module's own fp32 parameters (stage 0).
+    """
+    inner = engine.optimizer
+    for _ in range(4):  # a wrapper of a wrapper at most; bounded so a changed layout fails, not loops
+        if isinstance(inner, torch.optim.Optimizer):
+            break
+        inner = getattr(inner, "optimizer", None)
+    else:
+        inner = None
+    if inner is None:
+        raise DeepSpeedAPIMoved(f"no torch optimizer under {type(engine.optimizer).__name__}.optimizer; "
+                                "port nshard/engine.py:optimizer_memory")
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    state = sum(nbytes(v) for s in inner.state.values() for v in s.values() if torch.is_tensor(v))
+    module_storage = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
+    masters = sum(nbytes(p) for g in inner.param_groups for p in g["params"]
+                  if p.untyped_storage().data_ptr() not in module_storage)
+    return {"optimizer_state_bytes": state, "master_param_bytes": masters}
 
 
 class CollectiveCounter:

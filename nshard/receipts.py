@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import resource
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,16 @@ class Receipt:
         self.update_compressed.append(compressed)
         self.other_collective_bytes += other_bytes
 
+    def by_phase(self) -> dict:
+        """Dense (warm-up or uncompressed) and compressed updates apart: count, median seconds, median bytes."""
+        out = {}
+        for phase, flag in (("dense", False), ("compressed", True)):
+            idx = [i for i, c in enumerate(self.update_compressed) if c == flag]
+            out[phase] = {"updates": len(idx),
+                          "median_update_s": statistics.median(self.update_s[i] for i in idx) if idx else None,
+                          "median_grad_bytes": statistics.median(self.update_grad_bytes[i] for i in idx) if idx else None}
+        return out
+
     def finish(self, path: Path, root: str, active_plus_checkpoint_s: float, extra: dict) -> dict:
         body = {
             "rank": self.rank,
@@ -64,6 +75,7 @@ class Receipt:
             "update_grad_bytes": self.update_grad_bytes,
             "update_compressed": self.update_compressed,
             "other_collective_bytes": self.other_collective_bytes,
+            "by_phase": self.by_phase(),
             "parameter_root": root,
             **peak_memory_bytes(),
             **extra,

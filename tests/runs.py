@@ -29,8 +29,9 @@ def run_env(extra: dict | None = None) -> dict:
 
 
 def launch(out: Path, ds_config, world: int = 2, plan: str | Path = REPO / "launch/plans/tiny.toml",
-           extra_args=(), check=True, timeout=600) -> subprocess.CompletedProcess:
-    """deepspeed --hostfile ... nshard/train.py with a ds_config path or dict; world 1 uses --num_gpus 1."""
+           extra_args=(), check=True, timeout=600, mpi=False) -> subprocess.CompletedProcess:
+    """deepspeed --hostfile ... nshard/train.py with a ds_config path or dict; world 1 uses --num_gpus 1;
+    mpi=True goes through DeepSpeed's openmpi launcher (mpirun) instead of its local one."""
     if isinstance(ds_config, dict):
         path = out.parent / f"{out.name}-ds_config.json"
         path.write_text(json.dumps(ds_config))
@@ -39,6 +40,9 @@ def launch(out: Path, ds_config, world: int = 2, plan: str | Path = REPO / "laun
         where = ["--hostfile", str(REPO / "hostfile"), "--no_ssh_check", "--master_addr", "127.0.0.1"]
     else:
         where = ["--num_gpus", str(world)]
+    if mpi:
+        where = ["--launcher", "openmpi", "--force_multi", *where, "--launcher_args",
+                 "--allow-run-as-root --mca btl_tcp_if_include lo -x OMP_NUM_THREADS -x NSHARD_CACHE -x PATH"]
     cmd = [DEEPSPEED, *where, "--master_port", str(free_port()), str(REPO / "nshard/train.py"),
            "--ds_config", str(ds_config), "--plan", str(plan), "--out", str(out), *extra_args]
     proc = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=timeout)
@@ -64,11 +68,11 @@ def final_params(out: Path) -> dict[str, torch.Tensor]:
 _RUNS: dict[str, Path] = {}
 
 
-def cached_run(tmp_root: Path, name: str, config: dict, world: int = 2) -> Path:
+def cached_run(tmp_root: Path, name: str, config: dict, world: int = 2, mpi: bool = False) -> Path:
     """Launch once per test session per (name); later tests reuse the run directory."""
     if name not in _RUNS:
         out = tmp_root / name
-        launch(out, config, world=world)
+        launch(out, config, world=world, mpi=mpi)
         _RUNS[name] = out
     return _RUNS[name]
 

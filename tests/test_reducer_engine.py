@@ -105,6 +105,15 @@ def test_bf16_zero2_optimizer_reads_the_reduced_gradient(runs_root):
     assert len({r["parameter_root"] for r in receipts(compressed)}) == 1
 
 
+@pytest.mark.slow
+def test_mpi4py_transport_under_mpirun_matches_the_torch_transport(runs_root, stages):
+    """DeepSpeed's openmpi launcher starts the ranks with mpirun; the reducer talks over mpi4py."""
+    mpi = cached_run(runs_root, "psgd-z0-mpi", tiny_config(stage=0, nshard=psgd(transport="mpi")), mpi=True)
+    assert json.loads((mpi / "run.json").read_text())["parameter_root"] == \
+        json.loads((stages[0] / "run.json").read_text())["parameter_root"]
+    assert [m["reducer_bytes"] for m in metrics(mpi)] == [m["reducer_bytes"] for m in metrics(stages[0])]
+
+
 def test_private_deepspeed_attributes_are_where_nshard_expects_them():
     """Fails loudly when a DeepSpeed upgrade moves what nshard/engine.py replaces."""
     from deepspeed.runtime.engine import DeepSpeedEngine

@@ -1,0 +1,1 @@
+"""Reports built from run directories: reads files only, never imports torch."""
