@@ -83,8 +83,15 @@ def arm_row(arm_dir: Path) -> dict:
         "update_s_median": median([s for _, s, _ in updates]),
         "update_s_compressed_median": median([s for _, s, c in updates if c]),
         "final_loss": final_loss(arm_dir),
-        "parameter_roots": roots, "ranks_agree": len(set(roots)) == 1,
+        "parameter_roots": roots, "ranks_agree": len(set(roots)) == 1, **arm_settings(arm_dir),
     }
+
+
+def arm_settings(arm_dir: Path) -> dict:
+    """The learning rate and nshard section from the arm's copy of its ds_config (absent: None)."""
+    path = arm_dir / "ds_config.json"
+    config = read_json(path) if path.is_file() else {}
+    return {"lr": config.get("optimizer", {}).get("params", {}).get("lr"), "nshard": config.get("nshard")}
 
 
 def load_weights(model_dir: Path) -> dict:
@@ -186,6 +193,15 @@ def md_row(row: dict, gpu: bool) -> list[str]:
             "ref" if ref else fmt(row["max_abs_diff_vs_stage0"], ".2e")]
 
 
+def settings_line(rows: list[dict]) -> str:
+    lrs = sorted({r["lr"] for r in rows if r["lr"] is not None})
+    sections = {json.dumps(r["nshard"], sort_keys=True): r["nshard"] for r in rows if r["nshard"]}
+    parts = [f"lr {' / '.join(f'{lr:g}' for lr in lrs) or 'n/a'}"]
+    parts += [f"nshard {s['reducer']}" + (f" rank {s.get('rank')}, {s.get('dense_warmup_updates')} dense warm-up "
+              "update(s)" if s["reducer"] == "powersgd" else "") for s in sections.values()]
+    return "Settings: " + "; ".join(parts) + "."
+
+
 def render_markdown(table: dict) -> str:
     gpu = any(r["peak_allocated_bytes"] for r in table["arms"])
     head = ["arm", "stage", "reducer", "compressed", "peak RSS / rank", *(["GPU peak alloc / rank"] if gpu else []),
@@ -193,9 +209,9 @@ def render_markdown(table: dict) -> str:
             "payload / dense update", "update s", "update s (compressed)", "final loss", "parameter root",
             "root = stage 0", "max abs diff vs stage 0"]
     lines = [f"# ZeRO stages: plan `{table['plan']}` (`{table['plan_sha256'][:12]}`), {table['world_size']} ranks",
-             "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+             "", settings_line(table["arms"]), "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(md_row(r, gpu)) + " |" for r in table["arms"]]
-    lines += ["", "Per-rank columns read rank 0 / rank 1 / .... Payload: gradient bytes one rank hands to "
+    lines += ["", "Per-rank columns list rank 0 first. Payload: gradient bytes one rank hands to "
               "collectives in an update (DeepSpeed's comms logger plus the nshard ledger); payload and update "
               "seconds are medians over every rank's updates of that kind. Differences against the same "
               "reducer's stage-0 arm come from fp32 sums taken in another order: expect small, not zero."]

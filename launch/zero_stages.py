@@ -32,12 +32,22 @@ REDUCERS = ("dense", "powersgd")
 LOG_TAIL_CHARS = 6000
 
 
+def at_least(low: int):
+    """An argparse type: an integer >= low, refused before any arm runs."""
+    def parse(text: str) -> int:
+        if int(text) < low:
+            raise argparse.ArgumentTypeError(f"{text} is below {low}")
+        return int(text)
+    return parse
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", default=str(REPO / "launch/plans/tiny.toml"), help="experiment plan TOML")
     parser.add_argument("--out", default=str(REPO / "runs/zero-stages"), help="comparison directory")
-    parser.add_argument("--rank", type=int, default=None, help="PowerSGD rank (default: ds_configs/powersgd.json's)")
-    parser.add_argument("--warmup", type=int, default=None,
+    parser.add_argument("--rank", type=at_least(1), default=None,
+                        help="PowerSGD rank (default: ds_configs/powersgd.json's)")
+    parser.add_argument("--warmup", type=at_least(0), default=None,
                         help="PowerSGD dense_warmup_updates (default: ds_configs/powersgd.json's)")
     parser.add_argument("--lr", type=float, default=None,
                         help="peak learning rate for every arm (default: the ds_configs' own); warm-up starts at lr/10")

@@ -196,7 +196,7 @@ def run_training(run: Run, overwrite: bool = False) -> dict:
     root = export_model(run, engine, tokenizer)
     active_plus_checkpoint = receipt.active_s + time.perf_counter() - t0
     extra = {"zero_stage": engine_mod.zero_stage(engine), "reducer": seam.name,
-             "prepared_identity": identity}
+             "prepared_identity": identity, **engine_mod.optimizer_memory(engine)}
     body = receipt.finish(run.out / "receipts" / f"rank-{run.rank}.json", root, active_plus_checkpoint, extra)
     barrier()
     if run.is_main:

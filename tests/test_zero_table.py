@@ -44,12 +44,15 @@ def make_arm(root: Path, name: str, stage: int, reducer: str, roots=(ROOT_A, ROO
                    **({"peak_allocated_bytes": 2**30} if gpu else {})}
         (arm / "receipts" / f"rank-{rank}.json").write_text(json.dumps(receipt))
     save_file(weights(shift), str(arm / "model" / "model.safetensors"))
+    nshard = {"reducer": "powersgd", "rank": 2, "dense_warmup_updates": 1} if reducer == "powersgd" else None
+    (arm / "ds_config.json").write_text(json.dumps({"optimizer": {"params": {"lr": 2e-3}}, "nshard": nshard}))
     return arm
 
 
 def test_rows_medians_and_formats(tmp_path):
+    # The stage-1 shift, 2**-18, is exact in float32 next to the weights 0..5.
     make_arm(tmp_path, "stage0-powersgd", 0, "powersgd")
-    make_arm(tmp_path, "stage1-powersgd", 1, "powersgd", roots=(ROOT_B, ROOT_B), shift=2.0**-18)  # exact in float32 next to 0..5
+    make_arm(tmp_path, "stage1-powersgd", 1, "powersgd", roots=(ROOT_B, ROOT_B), shift=2.0**-18)
     make_arm(tmp_path, "stage0-dense", 0, "deepspeed", grad_bytes=((100,) * 3,) * 2)
     (tmp_path / "logs").mkdir()  # directories without run.json are not arms
     table = write_table(tmp_path)
@@ -70,6 +73,7 @@ def test_rows_medians_and_formats(tmp_path):
     assert "| 2/3 | 300.0 MiB / 301.0 MiB | 2.0 KiB / 2.0 KiB | 1.0 KiB / 1.0 KiB | 11 B | 100 B |" in line
     assert "| 0.400 | 0.300 | 2.2500 | `bbbbbbbbbbbb` | no | 3.81e-06 |" in line
     assert "GPU peak" not in md and "WARNING" not in md
+    assert "Settings: lr 0.002; nshard powersgd rank 2, 1 dense warm-up update(s)." in md
 
 
 def test_gpu_peak_column_only_when_receipts_have_it(tmp_path):
