@@ -37,6 +37,7 @@ def main() -> None:
     from nshard.models import load_model, load_tokenizer, resolve_model
     from nshard.plan import load_plan
     from nshard.replay import replay_documents
+    from nshard.seam import DeepSpeedReduction
     from nshard.trainer import Run, train_update
 
     engine_mod.init_distributed()
@@ -57,7 +58,7 @@ def main() -> None:
         seconds = []
         for update in range(args.updates + 1):
             t0 = time.perf_counter()
-            train_update(engine, engine_mod.DeepSpeedReduction(), run, prepared, batch, tok.pad_token_id)
+            train_update(engine, DeepSpeedReduction(), run, prepared, batch, tok.pad_token_id)
             if update:  # the first update warms allocator and kernels
                 seconds.append(time.perf_counter() - t0)
         median = statistics.median(seconds)

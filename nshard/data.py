@@ -43,7 +43,8 @@ class Prepared:
 
     @property
     def target_weight(self) -> float:
-        return math.fsum(self.weights)
+        # weights[0] is never a target (nothing predicts the first token), exactly as in the loss.
+        return math.fsum(self.weights[1:])
 
 
 # ---------------------------------------------------------------- documents
@@ -158,14 +159,29 @@ def _end_of_turn(tokenizer, prefix: list[int], start: int) -> int:
 
 
 def batch_schedule(n_docs: int, updates: int, global_batch: int, seed: int) -> list[list[int]]:
-    """Each update's global batch of document indices: epochs of seed-ordered permutations, cut in order."""
-    order: list[int] = []
+    """Each update's global batch of document indices: epochs of seed-ordered permutations, cut in order.
+
+    A batch that spans two epochs never holds a document twice: a repeat is deferred to the next batch.
+    """
+    stream: list[int] = []
     epoch = 0
-    while len(order) < updates * global_batch:
-        perm = stable_order([str(i) for i in range(n_docs)], "epoch", seed, epoch)
-        order.extend(int(i) for i in perm)
-        epoch += 1
-    return [order[u * global_batch:(u + 1) * global_batch] for u in range(updates)]
+    batches: list[list[int]] = []
+    deferred: list[int] = []
+    while len(batches) < updates:
+        while len(stream) < global_batch * 2:
+            stream.extend(int(i) for i in stable_order([str(i) for i in range(n_docs)], "epoch", seed, epoch))
+            epoch += 1
+        batch: list[int] = []
+        pending, deferred = deferred + stream, []
+        taken = 0
+        for doc in pending:
+            if len(batch) == global_batch:
+                break
+            taken += 1
+            (deferred if doc in batch else batch).append(doc)
+        stream = pending[taken:]
+        batches.append(batch)
+    return batches
 
 
 def deal(batch: list[int], lengths: list[int], world: int, microbatch: int,

@@ -55,9 +55,15 @@ def validate_ds_config(config: dict) -> None:
             section = validate_config(config["nshard"])
         except ValueError as exc:
             raise DsConfigError(" ".join(str(exc).split())) from None
-        if section["reducer"] == "powersgd" and stage == 3:
-            raise DsConfigError("nshard.reducer=powersgd with zero_optimization.stage=3: PowerSGD runs at "
-                                "stages 0, 1 and 2; lower the stage or use the dense reducer")
+        if stage == 3:
+            raise DsConfigError("an \"nshard\" section with zero_optimization.stage=3: nshard's reducers run "
+                                "at stages 0, 1 and 2; lower the stage or drop the section")
+        if config.get("fp16", {}).get("enabled"):
+            raise DsConfigError("fp16.enabled with an \"nshard\" section: nshard's reducers take unscaled "
+                                "gradients; use bf16 (\"bf16\": {\"enabled\": true}) or fp32")
+        if config.get("torch_autocast", {}).get("enabled"):
+            raise DsConfigError("torch_autocast.enabled with an \"nshard\" section is not supported "
+                                "(the ingest seam calls the module directly); use bf16 or fp32")
 
 
 def complete_ds_config(config: dict, plan: Plan, world_size: int) -> dict:
@@ -79,7 +85,7 @@ def complete_ds_config(config: dict, plan: Plan, world_size: int) -> dict:
     if sched.get("total_num_steps", None) == "auto":
         sched["total_num_steps"] = t.updates
     if "nshard" in config and ingest_mode(config):
-        # DeepSpeed sees one micro-step per update in ingest mode (see ReducerSeam).
+        # DeepSpeed sees one micro-step per update in ingest mode (see nshard/seam.py IngestSeam).
         config["gradient_accumulation_steps"] = 1
         config["train_batch_size"] = t.microbatch_docs * world_size
         zero = config.setdefault("zero_optimization", {})
@@ -163,6 +169,13 @@ def optimizer_memory(engine) -> dict[str, int]:
     return {"optimizer_state_bytes": state, "master_param_bytes": masters}
 
 
+def comms_logged() -> bool:
+    """Whether DeepSpeed's comms logger counted this run's collectives (a ds_config may switch it off)."""
+    import deepspeed.comm as dist
+
+    return bool(dist.comms_logger.enabled and dist.comms_logger.prof_all)
+
+
 class CollectiveCounter:
     """Bytes this rank handed to deepspeed.comm collectives since the last call, split gradient/parameter."""
 
@@ -233,101 +246,19 @@ def _silence_zero_reduction(optimizer) -> None:
         optimizer.flatten(bucket), communication_data_type)
 
 
-class DeepSpeedReduction:
-    """DeepSpeed's own gradient all-reduce; bytes come from its comms logger."""
-
-    name = "deepspeed"
-
-    def forward(self, engine, **inputs):
-        return engine(**inputs)
-
-    def backward_and_step(self, engine, loss, last: bool) -> None:
-        engine.backward(loss, scale_wrt_gas=False)
-        engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
-
-    def next_update_compressed(self) -> bool:
-        return False
-
-    def last_update_bytes(self) -> int:
-        return 0
-
-
-class ReducerSeam:
-    """An nshard reducer in place of DeepSpeed's gradient all-reduce.
-
-    Stage 0 in fp32 ("in place"): DeepSpeed's enable_backward_allreduce seam is switched off,
-    microbatch gradients accumulate in .grad through engine.backward, and after the last one the
-    reducer averages .grad in place before engine.step().
-
-    ZeRO-1/2 and bf16 ("ingest"): ZeRO-2 reduces at every micro-step and bf16 optimizers copy
-    .grad into their own fp32 buffers during backward, so .grad after backward is not what the
-    optimizer reads. Instead microbatch gradients are taken with torch.autograd.grad (no DeepSpeed
-    hook fires) and summed in fp32; the reducer averages them; one backward of
-    sum(param * reduced_grad) -- whose gradient is exactly reduced_grad -- then hands them to
-    DeepSpeed, whose reduction is replaced by a no-op, and engine.step() updates. DeepSpeed runs
-    with gradient_accumulation_steps=1 in this mode: it sees one micro-step per update.
-    """
-
-    def __init__(self, engine, reducer, section: dict):
-        check_private_api(engine)
-        self.reducer, self.section, self.name = reducer, section, section["reducer"]
-        self.ingest = zero_stage(engine) in (1, 2) or engine.bfloat16_enabled() or engine.fp16_enabled()
-        if zero_stage(engine) in (1, 2):
-            _silence_zero_reduction(engine.optimizer)  # (switching the flag off breaks ZeRO-1/2's norm: KeyError)
-        else:
-            engine.enable_backward_allreduce = False
-        self.params = {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
-        self.reducer.register({n: tuple(p.shape) for n, p in self.params.items()})
-        self.accumulated: dict[str, torch.Tensor] = {}
-
-    def forward(self, engine, **inputs):
-        # In ingest mode the module is called directly: the engine's forward hooks its outputs so
-        # that any backward through them (torch.autograd.grad included) runs ZeRO's reduction epilogue.
-        return engine.module(**inputs) if self.ingest else engine(**inputs)
-
-    def backward_and_step(self, engine, loss, last: bool) -> None:
-        if not self.ingest:
-            engine.backward(loss, scale_wrt_gas=False)
-            if last:
-                self.reducer.reduce(self._grads_in_place())
-            engine.step()
-            return
-        grads = torch.autograd.grad(loss, list(self.params.values()), allow_unused=True)
-        for (name, p), g in zip(self.params.items(), grads):
-            acc = self.accumulated.setdefault(name, torch.zeros(p.shape, dtype=torch.float32, device=p.device))
-            if g is not None:
-                acc.add_(g)
-        if last:
-            self.reducer.reduce(self.accumulated)
-            surrogate = sum((p * self.accumulated[n].to(p.dtype)).sum() for n, p in self.params.items())
-            engine.backward(surrogate, scale_wrt_gas=False)
-            engine.step()
-            for acc in self.accumulated.values():
-                acc.zero_()
-
-    def _grads_in_place(self) -> dict[str, torch.Tensor]:
-        for p in self.params.values():
-            if p.grad is None:  # every parameter takes part in every update, with a zero gradient if unused
-                p.grad = torch.zeros_like(p)
-        return {n: p.grad for n, p in self.params.items()}
-
-    def next_update_compressed(self) -> bool:
-        s = self.section
-        return s["reducer"] == "powersgd" and self.reducer.updates >= s["dense_warmup_updates"]
-
-    def last_update_bytes(self) -> int:
-        return sum(self.reducer.ledger.records[-1]["bytes"].values())
-
-
 def ingest_mode(config: dict) -> bool:
+    """Whether an nshard reducer needs the ingest seam (nshard/seam.py): ZeRO-1/2 or bf16."""
     stage = config.get("zero_optimization", {}).get("stage", 0)
-    return stage in (1, 2) or bool(config.get("bf16", {}).get("enabled")) or bool(config.get("fp16", {}).get("enabled"))
+    bf16 = any(config.get(key, {}).get("enabled") for key in ("bf16", "bfloat16"))  # DeepSpeed takes both names
+    return stage in (1, 2) or bool(bf16)
 
 
 def install_reducer(engine, section: dict | None):
     """The gradient reduction named by the ds_config's "nshard" section (none: DeepSpeed's own)."""
+    from nshard import seam
+
     if section is None:
-        return DeepSpeedReduction()
+        return seam.DeepSpeedReduction()
     import functools
 
     import deepspeed.comm as ds_comm
@@ -338,7 +269,14 @@ def install_reducer(engine, section: dict | None):
     # Through deepspeed.comm under its own log name, so DeepSpeed's comms logger counts the
     # reducer's traffic apart from DeepSpeed's own gradient collectives.
     all_reduce = functools.partial(ds_comm.all_reduce, log_name=REDUCER_LOG_NAME)
-    return ReducerSeam(engine, build_reducer(section, all_reduce=all_reduce), section)
+    reducer = build_reducer(section, all_reduce=all_reduce)
+    check_private_api(engine)
+    if zero_stage(engine) in (1, 2):
+        _silence_zero_reduction(engine.optimizer)  # (switching the flag off breaks ZeRO-1/2's norm: KeyError)
+    else:
+        engine.enable_backward_allreduce = False
+    ingest = zero_stage(engine) in (1, 2) or engine.bfloat16_enabled()
+    return (seam.IngestSeam if ingest else seam.InPlaceSeam)(engine, reducer, section["reducer"])
 
 
 REDUCER_LOG_NAME = "nshard_reducer"

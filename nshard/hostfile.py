@@ -9,7 +9,7 @@ import re
 import sys
 from pathlib import Path
 
-LINE = re.compile(r"^(\S+)\s+slots=(\d+)\s*$")
+LINE = re.compile(r"^(\S+)\s+slots=(\d+)\s*(#.*)?$")
 
 
 class HostfileError(ValueError):

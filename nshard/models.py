@@ -12,6 +12,8 @@ import os
 import re
 import shutil
 import tempfile
+
+from nshard.plan import file_sha256  # noqa: F401  (re-exported: models hash files too)
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
@@ -97,14 +99,6 @@ def load_model(ref: ModelRef, dtype: torch.dtype = torch.float32):
 
 
 # ---- identity ----------------------------------------------------------------------------------
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 def dir_sha256(path: Path) -> str:
     """Canonical hash of a model directory: for each hashed file, sorted by name, its name, size

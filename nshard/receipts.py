@@ -24,7 +24,7 @@ def parameter_root(named_params) -> str:
     for name, p in sorted(named_params, key=lambda kv: kv[0]):
         t = p.detach().contiguous().cpu()
         h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 

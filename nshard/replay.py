@@ -52,6 +52,16 @@ GENERAL_PROMPTS = (
 MAX_NEW_TOKENS = 48
 
 
+def check_replay_source(plan: Plan) -> None:
+    """Before any model exists: the replay file parses and holds enough conversations, or the built-in prompts suffice."""
+    d = plan.data
+    if d.replay_docs and d.replay_file:
+        replay_documents(plan, None, None)
+    elif d.replay_docs > len(GENERAL_PROMPTS):
+        raise DataError(f"data.replay_docs={d.replay_docs} exceeds the {len(GENERAL_PROMPTS)} built-in prompts; "
+                        "give data.replay_file (JSONL of chat messages) for more")
+
+
 def replay_documents(plan: Plan, model_ref, tokenizer) -> list[Document]:
     d = plan.data
     if d.replay_docs == 0:

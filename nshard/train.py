@@ -40,8 +40,8 @@ def main(argv=None) -> int:
     try:  # bad input fails here, before any process group, run directory or model exists
         plan = load_plan(args.plan)
         ds_config = load_ds_config(args.ds_config)
-        preflight(plan)
-    except (PlanError, DsConfigError, DataError, FileNotFoundError) as exc:
+        preflight(plan, ds_config, int(os.environ.get("WORLD_SIZE", "1")))
+    except (PlanError, DsConfigError, DataError, OSError, ValueError) as exc:
         print(f"nshard: error: {exc}", file=sys.stderr)
         return 2
     import torch.distributed as dist
@@ -53,14 +53,13 @@ def main(argv=None) -> int:
               dist.get_rank(), dist.get_world_size())
     try:
         run_training(run, overwrite=args.overwrite)
-        code = 0
-    except (PlanError, DsConfigError, DataError, RunError, FileNotFoundError) as exc:
-        print(f"nshard: error (rank {run.rank}): {exc}", file=sys.stderr)
-        code = 2
-    if code == 0:
         dist.barrier()
-    dist.destroy_process_group()
-    return code
+        return 0
+    except (PlanError, DsConfigError, DataError, RunError, OSError) as exc:
+        print(f"nshard: error (rank {run.rank}): {exc}", file=sys.stderr)
+        return 2
+    finally:  # without it, gloo ranks sometimes abort at exit ("terminate called without an active exception")
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

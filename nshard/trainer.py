@@ -49,28 +49,46 @@ def all_ranks(obj) -> list:
     return gathered
 
 
-def preflight(plan: Plan) -> None:
-    """Check what can be checked before any process group exists: the model path and the replay file."""
+def on_main_rank(run: Run, fn, *args):
+    """Run fn on rank 0 only; an error there becomes a RunError on every rank, so nobody waits at a barrier."""
+    result, error = None, None
+    if run.is_main:
+        try:
+            result = fn(*args)
+        except Exception as exc:  # noqa: BLE001 -- re-raised on every rank below
+            error = f"{type(exc).__name__}: {exc}"
+    message = [error]
+    dist.broadcast_object_list(message, src=0)
+    if message[0] is not None:
+        raise RunError(f"on rank 0: {message[0]}")
+    return result
+
+
+def preflight(plan: Plan, ds_config: dict, world_size: int) -> None:
+    """Check what can be checked before any process group exists: model path, replay source, batch keys."""
+    from nshard.engine import complete_ds_config
     from nshard.models import resolve_model
-    from nshard.replay import replay_documents
+    from nshard.replay import check_replay_source
 
     if plan.model.spec != "embedded" and not plan.model.spec.startswith("tiny"):
         resolve_model(plan.model.spec)
-    if plan.data.replay_file and plan.data.replay_docs:
-        replay_documents(plan, None, None)
+    check_replay_source(plan)
+    complete_ds_config(ds_config, plan, world_size)
 
 
 def setup_run_dir(run: Run, overwrite: bool) -> None:
-    """Rank 0 makes the run directory and copies the plan and ds_config into it; a finished run is never clobbered silently."""
-    if run.is_main:
-        if run.out.exists() and any(run.out.iterdir()):
-            if not overwrite:
-                raise RunError(f"run directory {run.out} already exists; pass --out DIR or --overwrite")
-            shutil.rmtree(run.out)
-        run.out.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(run.plan_path, run.out / "plan.toml")
-        shutil.copyfile(run.ds_config_path, run.out / "ds_config.json")
-    barrier()
+    """Make the run directory with copies of the plan and ds_config; only an earlier run's directory is replaced."""
+    if run.out.exists() and any(run.out.iterdir()):
+        if not overwrite:
+            raise RunError(f"run directory {run.out} already exists; pass --out DIR or --overwrite")
+        if not (run.out / "plan.toml").exists():
+            raise RunError(f"{run.out} is not an nshard run directory (no plan.toml); --overwrite only "
+                           "replaces run directories; choose another --out")
+        shutil.rmtree(run.out)
+    run.out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(run.plan_path, run.out / "plan.toml")
+    shutil.copyfile(run.ds_config_path, run.out / "ds_config.json")
+    write_run_json(run, "running")
 
 
 def write_run_json(run: Run, status: str, **fields) -> None:
@@ -85,32 +103,35 @@ def prepare_inputs(run: Run, tokenizer, model_ref):
     """Every rank prepares the inputs itself (deterministic, cheap) and all must agree on the identity."""
     from nshard.replay import replay_documents
 
-    if run.is_main:  # generates and caches the seed model's replay answers once
-        replay_documents(run.plan, model_ref, tokenizer)
-    barrier()
+    # Rank 0 generates and caches the seed model's replay answers once; the others then read them.
+    on_main_rank(run, replay_documents, run.plan, model_ref, tokenizer)
     replay = replay_documents(run.plan, model_ref, tokenizer)
-    docs, prepared, schedule, sets, identity = data_mod.prepare(run.plan, tokenizer, replay)
-    identities = all_ranks(identity)
+    try:
+        prepared_all = data_mod.prepare(run.plan, tokenizer, replay)
+        error = None
+    except data_mod.DataError as exc:
+        prepared_all, error = None, str(exc)
+    errors = all_ranks(error)
+    if any(errors):
+        raise data_mod.DataError(next(e for e in errors if e))
+    identities = all_ranks(prepared_all[-1])
     if len(set(identities)) != 1:
         raise RunError(f"ranks prepared different inputs: {identities}; check every host has the same files")
-    if run.is_main:
-        data_mod.write_prepared(run.out / "prepared", docs, prepared, schedule, sets, identity)
-        print(f"prepared identity {identity}", flush=True)
-    return prepared, schedule, identity
+    return prepared_all
 
 
-def train_update(engine, seam, run: Run, prepared, batch: list[int], pad_id: int, reverse_ranks=False) -> float:
+def train_update(engine, seam, run: Run, prepared, batch: list[int], pad_id: int) -> float:
     """One optimizer update over a global batch; returns this rank's weighted NLL sum."""
     t = run.plan.train
     lengths = [len(p.input_ids) for p in prepared]
     global_weight = math.fsum(prepared[i].target_weight for i in batch)
-    share = data_mod.deal(batch, lengths, run.world, t.microbatch_docs, reverse_ranks)[run.rank]
+    share = data_mod.deal(batch, lengths, run.world, t.microbatch_docs)[run.rank]
     scale = deepspeed_backward_scale(run.world) / global_weight
     local_nll = 0.0
     for step, micro in enumerate(share):
-        filler = not micro
-        docs = [prepared[i] for i in (micro or [share[0][0] if share[0] else batch[0]])]
-        ids, mask, weights = pad_microbatch(docs, pad_id, zero_weight=filler)
+        # An empty microbatch (this rank has run out of documents) reruns its first one at zero weight.
+        docs = [prepared[i] for i in (micro or share[0])]
+        ids, mask, weights = pad_microbatch(docs, pad_id, zero_weight=not micro)
         device = engine.device
         logits = seam.forward(engine, input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
         nll = weighted_nll_sum(logits, ids.to(device), weights.to(device))
@@ -119,8 +140,8 @@ def train_update(engine, seam, run: Run, prepared, batch: list[int], pad_id: int
     return local_nll
 
 
-def global_loss(local_nll: float, batch: list[int], prepared) -> float:
-    total = torch.tensor([local_nll], dtype=torch.float64)
+def global_loss(local_nll: float, batch: list[int], prepared, device) -> float:
+    total = torch.tensor([local_nll], dtype=torch.float64, device=device)  # NCCL reduces device tensors only
     dist.all_reduce(total)  # torch.distributed, not deepspeed.comm: kept out of the gradient byte count
     return total.item() / math.fsum(prepared[i].target_weight for i in batch)
 
@@ -137,15 +158,15 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int) -> Receipt:
     for update, batch in enumerate(tqdm(schedule, desc="updates", disable=not run.is_main)):
         t0 = time.perf_counter()
         lr = engine.optimizer.param_groups[0]["lr"]  # the rate this update steps with
-        compressed = seam.next_update_compressed()
         local_nll = train_update(engine, seam, run, prepared, batch, pad_id)
+        compressed = seam.last_update_compressed()
         _sync()
         seconds = time.perf_counter() - t0
         counts = counter.take()
         reducer_bytes = seam.last_update_bytes()
         grad_bytes = counts["deepspeed_grad_bytes"] + reducer_bytes
         receipt.record_update(seconds, grad_bytes, counts["other_bytes"], compressed)
-        loss = global_loss(local_nll, batch, prepared)
+        loss = global_loss(local_nll, batch, prepared, engine.device)
         log.write({"update": update + 1, "loss": loss, "lr": lr, "update_s": seconds, "compressed": compressed,
                    "grad_bytes": grad_bytes, "deepspeed_grad_bytes": counts["deepspeed_grad_bytes"],
                    "reducer_bytes": reducer_bytes, "logged_reducer_bytes": counts["logged_reducer_bytes"]})
@@ -160,43 +181,45 @@ def _sync() -> None:
 
 
 def export_model(run: Run, engine, tokenizer) -> str:
-    """Rank 0 writes model/ (safetensors) atomically; every rank computes the parameter root and all must agree."""
+    """All ranks must agree on the parameter root before rank 0 publishes model/ (safetensors, atomically)."""
     with engine_mod.full_parameters(engine):
         root = parameter_root(engine.module.named_parameters())
+        roots = all_ranks(root)
+        if len(set(roots)) != 1:
+            raise RunError(f"ranks disagree on the parameter root: {roots}; the replicas diverged, do not use this run")
         if run.is_main:
             tmp = run.out / "model.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             engine.module.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
             tmp.replace(run.out / "model")
-    roots = all_ranks(root)
-    if len(set(roots)) != 1:
-        raise RunError(f"ranks disagree on the parameter root: {roots}; the replicas diverged, do not use this run")
     return root
 
 
 def run_training(run: Run, overwrite: bool = False) -> dict:
     from nshard.models import load_model, load_tokenizer, resolve_model
 
-    setup_run_dir(run, overwrite)
-    if run.is_main:
-        write_run_json(run, "running")
-    model_ref = resolve_model(run.plan.model.spec) if run.is_main else None
-    barrier()  # rank 0 converts the embedded model once; the others then find it cached
-    model_ref = model_ref or resolve_model(run.plan.model.spec)
+    # Rank 0 converts the embedded model once; the others then find it cached.
+    on_main_rank(run, resolve_model, run.plan.model.spec)
+    model_ref = resolve_model(run.plan.model.spec)
     tokenizer = load_tokenizer(model_ref)
-    prepared, schedule, identity = prepare_inputs(run, tokenizer, model_ref)
+    docs, prepared, schedule, sets, identity = prepare_inputs(run, tokenizer, model_ref)
+    # Only now, with every input checked, does the run directory appear.
+    on_main_rank(run, setup_run_dir, run, overwrite)
+    if run.is_main:
+        data_mod.write_prepared(run.out / "prepared", docs, prepared, schedule, sets, identity)
+        print(f"prepared identity {identity}", flush=True)
     torch.manual_seed(run.plan.train.seed)
-    model = load_model(model_ref)
-    config = engine_mod.complete_ds_config(run.ds_config, run.plan, run.world)
-    engine = engine_mod.build_engine(model, config)
+    engine = engine_mod.build_engine(load_model(model_ref),
+                                     engine_mod.complete_ds_config(run.ds_config, run.plan, run.world))
     seam = engine_mod.install_reducer(engine, run.ds_config.get("nshard"))
     receipt = train(run, engine, seam, prepared, schedule, tokenizer.pad_token_id)
     t0 = time.perf_counter()
     root = export_model(run, engine, tokenizer)
     active_plus_checkpoint = receipt.active_s + time.perf_counter() - t0
     extra = {"zero_stage": engine_mod.zero_stage(engine), "reducer": seam.name,
-             "prepared_identity": identity, **engine_mod.optimizer_memory(engine)}
+             "prepared_identity": identity, "comms_logged": engine_mod.comms_logged(),
+             **engine_mod.optimizer_memory(engine)}
     body = receipt.finish(run.out / "receipts" / f"rank-{run.rank}.json", root, active_plus_checkpoint, extra)
     barrier()
     if run.is_main:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,14 +11,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from spawn import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_env(extra: dict | None = None) -> dict:
@@ -65,23 +60,29 @@ def final_params(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "model" / "model.safetensors"))
 
 
-_RUNS: dict[str, Path] = {}
+_RUNS: dict[str, tuple[str, Path]] = {}
 
 
 def cached_run(tmp_root: Path, name: str, config: dict, world: int = 2, mpi: bool = False) -> Path:
-    """Launch once per test session per (name); later tests reuse the run directory."""
+    """Launch once per test session per name; later tests reuse the run directory (same config only)."""
+    key = json.dumps([config, world, mpi], sort_keys=True)
     if name not in _RUNS:
         out = tmp_root / name
         launch(out, config, world=world, mpi=mpi)
-        _RUNS[name] = out
-    return _RUNS[name]
+        _RUNS[name] = (key, out)
+    assert _RUNS[name][0] == key, f"run {name!r} was launched before with another configuration"
+    return _RUNS[name][1]
 
 
 def tiny_config(base: str = "dense", lr: float = 2e-3, stage: int | None = None, nshard: dict | None = None,
-                bf16: bool = False) -> dict:
-    """A ds_config for the tiny plan: a learning rate that visibly moves a random model."""
+                bf16: bool = False, eps: float = 1e-4) -> dict:
+    """A ds_config for the tiny plan: a learning rate that visibly moves a random model.
+
+    eps 1e-4, not 1e-8: Adam's first steps are about lr * g / (|g| + eps), so with a tiny eps the fp32
+    summation noise of a near-zero gradient (1e-9, different for 1 and 2 ranks) becomes a +-lr step
+    and fp32-tolerance comparisons between arms measure that noise instead of the arms."""
     config = ds_config(base)
-    config["optimizer"]["params"]["lr"] = lr
+    config["optimizer"]["params"].update(lr=lr, eps=eps)
     config["scheduler"]["params"].update(warmup_min_lr=lr / 10, warmup_max_lr=lr)
     if stage is not None:
         config["zero_optimization"] = {"stage": stage, "reduce_scatter": False, "overlap_comm": False}

@@ -79,12 +79,37 @@ def exact_scenario(rank: int, world: int) -> dict:
     return {"pairs": pairs, "compressed": [r["compressed"] for r in psgd.ledger.records]}
 
 
+# Below full rank (rank 2 < min(n, m) for every matrix): the reference test's shapes and schedule.
+REF_SHAPES = {"wide": (6, 10), "tall": (12, 5), "wide2": (6, 10), "bias": (7,)}  # wide2: batched QR with wide
+REF_CONFIG = {**CONFIG, "rank": 2, "dense_warmup_updates": 1, "min_compression_rate": 1, "seed": 11}
+REF_UPDATES = 5  # 1 dense warm-up, then 4 compressed updates, 3 of them warm-started
+# The reducer draws one flat Gaussian Q on the first compressed update, in layout order: shape
+# groups by first appearance among the sorted names, names sorted inside a group.
+REF_Q_ORDER = ("tall", "wide", "wide2")  # sorted: bias (dense), tall, wide, wide2
+
+
+def reference_scenario(rank: int, world: int) -> dict:
+    """PowerSGD below full rank, its per-update outputs, Q and final errors, for the float64 reference."""
+    from nshard.comm import build_reducer
+
+    psgd = build_reducer(REF_CONFIG)
+    outputs, qs = [], []
+    for update in range(REF_UPDATES):
+        grads = grads_for(rank, update, shapes=REF_SHAPES)
+        psgd.reduce(grads)
+        outputs.append(grads)
+        qs.append(copy.deepcopy(psgd.state_dict()["q"]))
+    return {"outputs": outputs, "q": qs, "errors": copy.deepcopy(psgd.state_dict()["errors"]),
+            "compressed": [r["compressed"] for r in psgd.ledger.records]}
+
+
 def all_scenarios(rank: int, world: int) -> dict:
     # One spawn for the whole file: starting two ranks (two torch imports on two cores) costs ~5 s.
     return {
         "fp32": core_scenario(rank, world, "float32", CONFIG["dense_warmup_updates"]),
         "bf16": core_scenario(rank, world, "bfloat16", 0),  # no warm-up: dense bf16 rounding has no feedback
         "exact": exact_scenario(rank, world),
+        "reference": reference_scenario(rank, world),
     }
 
 
@@ -188,3 +213,54 @@ def test_full_rank_powersgd_equals_dense_average(two_ranks):
         for want, got in result["pairs"]:
             for name in want:
                 torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)
+
+
+def initial_q_float64() -> dict[str, torch.Tensor]:
+    """The Q the reducer draws: one flat randn from its seeded CPU generator, cut into (m, r) blocks."""
+    shapes = {name: (REF_SHAPES[name][1], REF_CONFIG["rank"]) for name in REF_Q_ORDER}
+    generator = torch.Generator().manual_seed(REF_CONFIG["seed"])
+    flat = torch.randn(sum(m * r for m, r in shapes.values()), generator=generator)
+    blocks = flat.split([m * r for m, r in shapes.values()])
+    return {name: block.view(shape).double() for (name, shape), block in zip(shapes.items(), blocks)}
+
+
+def powersgd_float64(world: int = 2) -> tuple[list[dict], list[dict], list[dict]]:
+    """Vogels et al.'s algorithm in float64, written from the paper: (outputs, Q after each update, errors by rank)."""
+    q = initial_q_float64()
+    errors = [{name: torch.zeros(REF_SHAPES[name], dtype=torch.float64) for name in q} for _ in range(world)]
+    outputs, qs = [], []
+    for update in range(REF_UPDATES):
+        grads = [{n: g.double() for n, g in grads_for(r, update, shapes=REF_SHAPES).items()} for r in range(world)]
+        out = {name: sum(g[name] for g in grads) / world for name in REF_SHAPES}  # warm-up and 1-D: plain mean
+        if update >= REF_CONFIG["dense_warmup_updates"]:
+            for name in q:
+                ms = [g[name] + e[name] for g, e in zip(grads, errors)]
+                p = torch.linalg.qr(sum(m @ q[name] for m in ms)).Q
+                q[name] = sum(m.T @ p for m in ms) / world  # warm start: the next update projects onto this Q
+                out[name] = p @ q[name].T
+                for e, m in zip(errors, ms):
+                    e[name] = m - out[name]
+            qs.append({name: t.clone() for name, t in q.items()})
+        else:
+            qs.append({})
+        outputs.append(out)
+    return outputs, qs, errors
+
+
+def test_below_full_rank_powersgd_matches_a_float64_reference(two_ranks):
+    """Outputs, warm-started Q and error feedback of every update agree with the reference on both ranks."""
+    want_outputs, want_qs, want_errors = powersgd_float64()
+    assert set(want_qs[-1]) == {name for name, s in REF_SHAPES.items() if len(s) == 2}
+    for rank, result in enumerate(r["reference"] for r in two_ranks):
+        assert result["compressed"] == [False] + [True] * (REF_UPDATES - 1)
+        for update, (got, want) in enumerate(zip(result["outputs"], want_outputs)):
+            for name in REF_SHAPES:
+                torch.testing.assert_close(got[name].double(), want[name], rtol=1e-5, atol=1e-5,
+                                           msg=f"update {update} {name}")
+            assert result["q"][update].keys() == want_qs[update].keys()
+            for name in want_qs[update]:
+                torch.testing.assert_close(result["q"][update][name].double(), want_qs[update][name],
+                                           rtol=1e-5, atol=1e-5, msg=f"update {update} Q of {name}")
+        for name in want_errors[rank]:
+            torch.testing.assert_close(result["errors"][name].double(), want_errors[rank][name],
+                                       rtol=1e-5, atol=1e-5, msg=f"rank {rank} error of {name}")

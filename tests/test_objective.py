@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from nshard.data import Prepared, deal
@@ -98,16 +99,36 @@ def test_batched_gradient_and_adamw_update_match_reference(world, microbatch, re
 
 
 def test_prompt_and_padding_tokens_carry_no_gradient():
-    """Changing prompt-target tokens' identity beyond the weights must not change the loss: weight 0 means ignored."""
+    """d loss / d logits is exactly zero wherever the next token weighs 0 (prompt, padding, the last position),
+    and weight x (softmax - one-hot) where it does not.
+
+    Gradients are taken at the logits rather than by changing prompt tokens: a prompt token is also the
+    context of every later token, so changing it legitimately moves the response-token loss.
+    """
     model, docs = tiny_model(), documents(3)
     ids, mask, weights = pad_microbatch(docs, PAD)
-    base = weighted_nll_sum(model(input_ids=ids, attention_mask=mask).logits, ids, weights)
-    # Padding positions: change the pad id, the loss must not move.
+    # The weight mask is exactly the documents' weights, padding zero.
+    for row, d in enumerate(docs):
+        assert weights[row, : len(d.weights)].tolist() == d.weights and not weights[row, len(d.weights) :].any()
+    logits = model(input_ids=ids, attention_mask=mask).logits.detach().requires_grad_()
+    weighted_nll_sum(logits, ids, weights).backward()
+    next_weight = torch.cat([weights[:, 1:], torch.zeros(len(docs), 1)], dim=1)  # logits[:, t] predict ids[:, t + 1]
+    unweighted = next_weight == 0
+    prompt = torch.zeros_like(unweighted)  # positions whose next token is still in the prompt
+    for row, d in enumerate(docs):
+        prompt[row, : next(i for i, w in enumerate(d.weights) if w) - 1] = True
+    # Not vacuous: every prompt position is unweighted, and some padding positions are too.
+    assert prompt.any() and unweighted[prompt].all() and (unweighted & (mask == 0)).any() and (~unweighted).any()
+    assert torch.equal(logits.grad[unweighted], torch.zeros_like(logits.grad[unweighted]))
+    assert (logits.grad[~unweighted] != 0).any(dim=-1).all()
+    targets = ids.roll(-1, dims=1)  # the wrapped last column has weight 0 and is not compared
+    expected = next_weight[..., None] * (logits.detach().softmax(-1) - F.one_hot(targets, logits.size(-1)))
+    torch.testing.assert_close(logits.grad[~unweighted], expected[~unweighted])
+    # Padding: changing the pad id must not move the loss.
+    base = weighted_nll_sum(logits.detach(), ids, weights)
     ids2, _, _ = pad_microbatch(docs, 5)
     moved = weighted_nll_sum(model(input_ids=ids2, attention_mask=mask).logits, ids2, weights)
     torch.testing.assert_close(base, moved)
-    # And the weight mask is exactly the documents' weights (prompt positions zero).
-    assert weights[0, : docs[0].weights.index(next(w for w in docs[0].weights if w))].abs().sum() == 0
 
 
 def test_deal_is_length_sorted_and_covers_the_batch_once():

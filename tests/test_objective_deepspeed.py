@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from nshard.data import Prepared
 from nshard.models import load_model, resolve_model
+from nshard.plan import load_plan
 from runs import ds_config, final_params, launch
 from test_objective import reference_grads
 
@@ -35,11 +36,18 @@ def test_one_update_matches_the_per_document_reference(tmp_path, config):
     cfg["gradient_clipping"] = 0.0
     plan = tmp_path / "plan.toml"
     text = (Path(__file__).parent.parent / "launch/plans/tiny.toml").read_text()
-    plan.write_text(text.replace("updates = 3", "updates = 1").replace("global_batch_docs = 6", "global_batch_docs = 7"))
+    # Each edit must land: if tiny.toml changes, the run would silently lose its partial microbatch.
+    for old, new in [("updates = 3", "updates = 1"), ("global_batch_docs = 6", "global_batch_docs = 7")]:
+        assert text.count(old) == 1, f"launch/plans/tiny.toml no longer has one line {old!r}"
+        text = text.replace(old, new)
+    plan.write_text(text)
+    train = load_plan(plan).train
+    assert (train.updates, train.global_batch_docs, train.microbatch_docs) == (1, 7, 2)
     out = tmp_path / "run"
     launch(out, cfg, plan=plan)  # 7 documents, 2 ranks, microbatch 2: shares of 4 and 3 -> a partial microbatch
     prepared = read_prepared(out)
     batch = json.loads((out / "prepared" / "schedule.json").read_text())[0]
+    assert len(batch) == 7
     model = load_model(resolve_model("tiny")).float()
     grads = reference_grads(model, [prepared[i] for i in batch])
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, betas=tuple(cfg["optimizer"]["params"]["betas"]),
@@ -49,7 +57,8 @@ def test_one_update_matches_the_per_document_reference(tmp_path, config):
     opt.step()
     trained = final_params(out)
     initial = load_file(str(Path(resolve_model("tiny").path) / "model.safetensors"))
-    for name, p in model.named_parameters():
-        if name in trained:
-            assert (trained[name] - initial[name]).abs().max() > 0
-            torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-7, msg=name)
+    expected = dict(model.named_parameters())
+    assert expected and set(trained) == set(expected)  # every trained tensor is compared, none skipped
+    for name, p in expected.items():
+        assert (trained[name] - initial[name]).abs().max() > 0, name
+        torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-7, msg=name)

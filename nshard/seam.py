@@ -1,0 +1,103 @@
+"""Where one update's gradients are reduced: DeepSpeed's own all-reduce, or an nshard reducer in its place.
+
+Each seam runs a microbatch's forward and backward and the optimizer step; nshard/engine.py picks
+the seam and prepares DeepSpeed for it (the private attributes live there, not here).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class DeepSpeedReduction:
+    """DeepSpeed's own gradient all-reduce; its bytes come from DeepSpeed's comms logger."""
+
+    name = "deepspeed"
+
+    def forward(self, engine, **inputs):
+        return engine(**inputs)
+
+    def backward_and_step(self, engine, loss, last: bool) -> None:
+        engine.backward(loss, scale_wrt_gas=False)
+        engine.step()  # DeepSpeed steps the optimizer only at its accumulation boundary
+
+    def last_update_compressed(self) -> bool:
+        return False
+
+    def last_update_bytes(self) -> int:
+        return 0
+
+
+class ReducerSeam:
+    """Shared by the nshard seams: the reducer, the trained parameters, the ledger's last record."""
+
+    def __init__(self, engine, reducer, name: str):
+        self.reducer, self.name = reducer, name
+        self.params = {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
+        reducer.register({n: tuple(p.shape) for n, p in self.params.items()})
+
+    def last_update_compressed(self) -> bool:
+        return self.reducer.ledger.records[-1]["compressed"]
+
+    def last_update_bytes(self) -> int:
+        return sum(self.reducer.ledger.records[-1]["bytes"].values())
+
+
+class InPlaceSeam(ReducerSeam):
+    """Stage 0, fp32: DeepSpeed's all-reduce is switched off (enable_backward_allreduce), microbatch
+    gradients accumulate in .grad through engine.backward, and after the last one the reducer
+    averages .grad in place before engine.step()."""
+
+    def forward(self, engine, **inputs):
+        return engine(**inputs)
+
+    def backward_and_step(self, engine, loss, last: bool) -> None:
+        engine.backward(loss, scale_wrt_gas=False)
+        if last:
+            for p in self.params.values():
+                if p.grad is None:  # every parameter takes part in every update, with a zero gradient if unused
+                    p.grad = torch.zeros_like(p)
+            self.reducer.reduce({n: p.grad for n, p in self.params.items()})
+        engine.step()
+
+
+class IngestSeam(ReducerSeam):
+    """ZeRO-1/2 and bf16: hand DeepSpeed a gradient that is already reduced.
+
+    ZeRO-2 reduces at every micro-step (compressing partial sums is not the study's algorithm) and
+    bf16 optimizers copy .grad into fp32 buffers of their own during backward, so .grad after
+    backward is not what the optimizer reads. Instead microbatch gradients are taken with
+    torch.autograd.grad (no DeepSpeed hook fires) and summed in fp32; the reducer averages them;
+    one backward of sum(param * reduced_grad), whose gradient is exactly reduced_grad, hands them to
+    DeepSpeed, whose own reduction engine.py has replaced by a no-op; engine.step() updates.
+    DeepSpeed runs with gradient_accumulation_steps=1: it sees one micro-step per update.
+    Cost: one fp32 gradient copy per rank on top of DeepSpeed's buffers.
+    """
+
+    def __init__(self, engine, reducer, name: str):
+        super().__init__(engine, reducer, name)
+        if engine.gradient_accumulation_steps() != 1:
+            raise RuntimeError("nshard's ingest seam needs DeepSpeed gradient_accumulation_steps=1 "
+                               "(complete_ds_config sets it); got "
+                               f"{engine.gradient_accumulation_steps()}")
+        self.accumulated = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                            for n, p in self.params.items()}
+
+    def forward(self, engine, **inputs):
+        # The module is called directly: the engine's forward hooks its outputs so that any
+        # backward through them (torch.autograd.grad included) runs ZeRO's reduction epilogue.
+        return engine.module(**inputs)
+
+    def backward_and_step(self, engine, loss, last: bool) -> None:
+        grads = torch.autograd.grad(loss, list(self.params.values()), allow_unused=True)
+        for acc, g in zip(self.accumulated.values(), grads):
+            if g is not None:
+                acc.add_(g)
+        if not last:
+            return
+        self.reducer.reduce(self.accumulated)
+        surrogate = sum((p * self.accumulated[n].to(p.dtype)).sum() for n, p in self.params.items())
+        engine.backward(surrogate, scale_wrt_gas=False)
+        engine.step()
+        for acc in self.accumulated.values():
+            acc.zero_()
