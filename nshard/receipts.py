@@ -10,12 +10,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import torch
 
 from nshard.data import write_json_atomic
 
-PROCESS_START = time.time()
-"""Import time of nshard.receipts: train.py imports it first thing, so this stands for process start."""
+PROCESS_START = psutil.Process().create_time()
+"""When the kernel started this process (psutil; a DeepSpeed dependency), imports included."""
 
 
 def parameter_root(named_params) -> str:
