@@ -52,7 +52,7 @@ def validate_ds_config(config: dict) -> None:
         from nshard.comm import validate_config
 
         try:
-            section = validate_config(config["nshard"])
+            validate_config(config["nshard"])
         except ValueError as exc:
             raise DsConfigError(" ".join(str(exc).split())) from None
         if stage == 3:
@@ -136,6 +136,27 @@ def init_distributed() -> None:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    _unlink_shm_workspace()
+
+
+def _unlink_shm_workspace() -> None:
+    """Remove the name of DeepSpeed's CPU shared-memory all-reduce workspace (66 MB per rank).
+
+    deepspeed_shm_comm creates /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank> at
+    init and never unlinks it: every run on a machine leaked 132 MB of shared memory until the
+    machine ran out (measured: 15 GB after a day of test runs). Once every rank has mapped its
+    peers' buffers (by the barrier), the names can go; the mappings live on until exit.
+    """
+    import os
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    env = os.environ
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR', '')}_"
+            f"{env.get('MASTER_PORT', '')}_{dist.get_rank()}")
+    if os.path.exists(name):
+        os.unlink(name)
 
 
 def zero_stage(engine) -> int:

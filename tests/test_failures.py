@@ -1,6 +1,7 @@
 """Failures found after the process group starts: every rank stops with one error, none waits, nothing half-made."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,3 +83,12 @@ def test_hostfile_takes_trailing_comments_and_names_bad_lines(tmp_path):
     bad.write_text("node-a slots=8\nnode-a slots=8\n")
     with pytest.raises(ValueError, match="listed twice"):
         parse_hostfile(bad)
+
+
+@pytest.mark.slow
+def test_runs_leave_no_shared_memory_behind(tmp_path):
+    """DeepSpeed's CPU shm all-reduce workspace (66 MB a rank) used to stay in /dev/shm after every run."""
+    before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+    proc, out = launch_plan(tmp_path, TINY.replace("updates = 3", "updates = 1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) <= before
