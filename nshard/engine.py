@@ -214,7 +214,7 @@ class CollectiveCounter:
         grad = sum(v for k, v in delta.items() if k in GRAD_OPS)
         reducer = delta.get(REDUCER_LOG_NAME, 0)
         return {"deepspeed_grad_bytes": grad, "logged_reducer_bytes": reducer,
-                "other_bytes": sum(delta.values()) - grad - reducer, "by_op": delta}
+                "other_bytes": sum(delta.values()) - grad - reducer}
 
 
 def full_parameters(engine):

@@ -13,7 +13,6 @@ from pathlib import Path
 if __package__ in (None, ""):  # launched as a script path: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nshard import receipts  # noqa: E402,F401  (first import: marks process start)
 from nshard.launch_env import prepare_process_env  # noqa: E402
 
 

@@ -39,10 +39,6 @@ class Run:
         return self.rank == 0
 
 
-def barrier() -> None:
-    dist.barrier()
-
-
 def all_ranks(obj) -> list:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
@@ -221,7 +217,7 @@ def run_training(run: Run, overwrite: bool = False) -> dict:
              "prepared_identity": identity, "comms_logged": engine_mod.comms_logged(),
              **engine_mod.optimizer_memory(engine)}
     body = receipt.finish(run.out / "receipts" / f"rank-{run.rank}.json", root, active_plus_checkpoint, extra)
-    barrier()
+    dist.barrier()
     if run.is_main:
         write_run_json(run, "complete", prepared_identity=identity, parameter_root=root,
                        model={"spec": model_ref.spec, "kind": model_ref.kind, "sha256": model_ref.sha256},
