@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nshard import tasks
+from nshard.files import write_json_atomic
 from nshard.plan import Plan
 
 ROLES = ("system", "user", "assistant")
@@ -220,12 +221,6 @@ def prepared_identity(prepared: list[Prepared], schedule: list[list[int]], extra
     h.update(json.dumps({"schedule": schedule, **extra}, sort_keys=True, separators=(",", ":")).encode())
     return h.hexdigest()
 
-
-def write_json_atomic(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
-    tmp.replace(path)
 
 
 def write_prepared(out: Path, docs: list[Document], prepared: list[Prepared], schedule: list[list[int]],

@@ -13,7 +13,7 @@ import re
 import shutil
 import tempfile
 
-from nshard.plan import file_sha256  # noqa: F401  (re-exported: models hash files too)
+from nshard.files import cache_root, file_sha256
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
@@ -62,7 +62,7 @@ class ModelRef:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("NSHARD_CACHE") or Path.home() / ".cache" / "nshard")
+    return cache_root()
 
 
 def resolve_model(spec: str, cache_dir: Path | None = None) -> ModelRef:

@@ -8,7 +8,6 @@ documents, updates, screens, output).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -211,11 +210,3 @@ def _non_negative(key: str, value) -> None:
     if value < 0:
         raise PlanError(f"{key}={value} must not be negative")
 
-
-def file_sha256(path: str | Path) -> str:
-    """SHA-256 of a file, read in 1 MiB chunks (model weights are gigabytes)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()

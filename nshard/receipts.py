@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from nshard.data import write_json_atomic
+from nshard.files import write_json_atomic
 
 PROCESS_START = psutil.Process().create_time()
 """When the kernel started this process (psutil; a DeepSpeed dependency), imports included."""

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from nshard.data import DataError, Document, read_replay_file
+from nshard.files import cache_root
 from nshard.plan import Plan
 
 GENERAL_PROMPTS = (
@@ -82,7 +83,7 @@ def replay_documents(plan: Plan, model_ref, tokenizer) -> list[Document]:
 
 
 def _cache_path(model_ref, count: int) -> Path:
-    root = Path(os.environ.get("NSHARD_CACHE") or Path.home() / ".cache" / "nshard")
+    root = cache_root()
     key = json.dumps([model_ref.sha256 or model_ref.spec, GENERAL_PROMPTS[:count], MAX_NEW_TOKENS])
     return root / "replay" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.jsonl"
 

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from nshard import data as data_mod
 from nshard import engine as engine_mod
 from nshard.loss import deepspeed_backward_scale, pad_microbatch, weighted_nll_sum
-from nshard.plan import Plan, file_sha256
+from nshard.files import file_sha256, write_json_atomic
+from nshard.plan import Plan
 from nshard.receipts import MetricsLog, Receipt, parameter_root
 
 
@@ -92,7 +93,7 @@ def write_run_json(run: Run, status: str, **fields) -> None:
             "plan_sha256": file_sha256(run.plan_path), "ds_config_sha256": file_sha256(run.ds_config_path),
             "world_size": run.world, "updates": run.plan.train.updates,
             "written_at": datetime.datetime.now(datetime.timezone.utc).isoformat(), **fields}
-    data_mod.write_json_atomic(run.out / "run.json", body)
+    write_json_atomic(run.out / "run.json", body)
 
 
 def prepare_inputs(run: Run, tokenizer, model_ref):
