@@ -109,10 +109,70 @@ class ScreensSection:
     min_paired_lower_points: float = -3.0
     min_speedup: float = 1.10
     confidence: float = 0.99
+    network_usd_per_gb: float = 0.02
+    """Price of one transmitted GB (10^9 bytes), for the network cost of each arm."""
 
     def __post_init__(self):
         if not 0.5 < self.confidence < 1.0:
             raise PlanError(f"screens.confidence={self.confidence} must lie in (0.5, 1), e.g. 0.99")
+        _non_negative("screens.network_usd_per_gb", self.network_usd_per_gb)
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """One arm of a study: a number of ranks and a ds_config, trained on the same plan."""
+
+    name: str
+    ranks: int = 1
+    """Ranks (processes) the arm trains on."""
+    ds_config: str = "ds_configs/dense.json"
+    """DeepSpeed JSON; a relative path is read from the working directory, else the repository root."""
+
+    def __post_init__(self):
+        if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
+            raise PlanError(f"study.arms name={self.name!r}: use letters, digits, '-', '_' or '.' "
+                            "(it names the arm's run directory)")
+        if self.name == "seed":
+            raise PlanError("study.arms name='seed' is reserved for the untrained model; rename the arm")
+        _positive(f"study.arms[{self.name}].ranks", self.ranks)
+
+
+def _default_arms() -> tuple[ArmSpec, ...]:
+    return (ArmSpec("one-rank", 1, "ds_configs/dense.json"), ArmSpec("dense", 2, "ds_configs/dense.json"),
+            ArmSpec("powersgd", 2, "ds_configs/powersgd.json"))
+
+
+@dataclass(frozen=True)
+class StudySection:
+    """The arms a study trains, which one is the candidate, and how its answers are generated."""
+
+    arms: tuple[ArmSpec, ...] = field(default_factory=_default_arms)
+    """[[study.arms]] tables (name, ranks, ds_config); default: one rank dense, two ranks dense, two ranks PowerSGD."""
+    candidate: str = "powersgd"
+    """The arm the screens judge; every other arm is a control."""
+    speed_baseline: str = "one-rank"
+    """The arm whose complete-process time the speed screen divides by."""
+    hostfile: str = ""
+    """DeepSpeed hostfile for multi-rank arms; empty: all ranks on this machine (--num_gpus N)."""
+    eval_max_new_tokens: int = 48
+    """Greedy generation stops after this many new tokens (or at the end-of-turn token)."""
+    eval_batch_size: int = 16
+    """Prompts generated together (left-padded); 16 keeps two CPU cores busy."""
+
+    def __post_init__(self):
+        names = [a.name for a in self.arms]
+        if not names:
+            raise PlanError("study.arms is empty: list at least the candidate arm")
+        if len(set(names)) != len(names):
+            raise PlanError(f"study.arms names repeat: {names}; give each arm its own name")
+        for key in ("candidate", "speed_baseline"):
+            if getattr(self, key) not in names:
+                raise PlanError(f"study.{key}={getattr(self, key)!r} is not an arm; arms are {names}")
+        _positive("study.eval_max_new_tokens", self.eval_max_new_tokens)
+        _positive("study.eval_batch_size", self.eval_batch_size)
+
+    def arm(self, name: str) -> ArmSpec:
+        return next(a for a in self.arms if a.name == name)
 
 
 @dataclass(frozen=True)
@@ -128,6 +188,7 @@ class Plan:
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
     screens: ScreensSection = field(default_factory=ScreensSection)
+    study: StudySection = field(default_factory=StudySection)
     output: OutputSection = field(default_factory=OutputSection)
 
     def __post_init__(self):
@@ -148,7 +209,7 @@ class Plan:
 
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection,
-            "screens": ScreensSection, "output": OutputSection}
+            "screens": ScreensSection, "study": StudySection, "output": OutputSection}
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -192,6 +253,10 @@ def _build_section(section: str, cls, values: dict):
 def _check_type(key: str, value, hint):
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint == tuple[ArmSpec, ...]:
+        if isinstance(value, list) and all(isinstance(v, dict) for v in value):
+            return tuple(_build_section(f"{key}[{i}]", ArmSpec, v) for i, v in enumerate(value))
+        raise PlanError(f"{key} must be a list of [[{key}]] tables (name, ranks, ds_config), got {value!r}")
     if hint == tuple[str, ...]:
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return tuple(value)

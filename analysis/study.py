@@ -1,0 +1,387 @@
+"""A study's results: accuracy per family, paired bounds against each control, retention, the declared
+quality and speed screens, the report tables and the plots. Reads the study directory's files only.
+
+    python -m analysis.study STUDY_DIR
+
+Reads STUDY_DIR/study.json (the arms, the declared screens, what the runner saw), the arms' run
+directories (run.json, receipts, metrics.jsonl), STUDY_DIR/commitment.json and STUDY_DIR/eval/*/.
+Writes STUDY_DIR/results.json, STUDY_DIR/report.md and STUDY_DIR/plots/*.png; prints the main table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from analysis.paired import mean_interval, paired_bounds
+
+FAMILY_TITLES = {"lookup": "Lookup", "filtering": "Filtering", "sorting": "Sorting", "invoice": "Invoice totals"}
+
+
+class StudyError(ValueError):
+    """A study directory the analysis cannot read; the message names the file."""
+
+
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise StudyError(f"{path} is missing")
+    return json.loads(path.read_text())
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise StudyError(f"{path} is missing")
+    with path.open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ---------------------------------------------------------------- learning
+
+
+def accuracy_block(rows: list[dict], confidence: float) -> dict:
+    """Correct, cases and accuracy in total and per family, each with its normal-approximation interval."""
+    def block(flags):
+        n, k = len(flags), sum(flags)
+        lo, hi = (mean_interval([float(f) for f in flags], confidence)[1:] if n > 1 else (math.nan, math.nan))
+        return {"correct": k, "cases": n, "accuracy": k / n if n else math.nan, "lower": lo, "upper": hi}
+
+    families = sorted({r["family"] for r in rows}, key=lambda f: list(FAMILY_TITLES).index(f)
+                      if f in FAMILY_TITLES else len(FAMILY_TITLES))
+    return {**block([bool(r["correct"]) for r in rows]),
+            "per_family": {f: block([bool(r["correct"]) for r in rows if r["family"] == f]) for f in families}}
+
+
+def retention_block(rows: list[dict], confidence: float) -> dict | None:
+    changes = [r["change_nats_per_token"] for r in rows if "change_nats_per_token" in r]
+    if len(changes) < 2:
+        return None
+    mean, lower, upper = mean_interval(changes, confidence)
+    return {"docs": len(changes), "mean_change_nats": mean, "lower_nats": lower, "upper_nats": upper}
+
+
+# ---------------------------------------------------------------- execution
+
+
+def execution_block(run_dir: Path, ranks: int, usd_per_gb: float) -> dict:
+    """Receipts of one arm: slowest-rank times, ranks x complete-process seconds, bytes and their price."""
+    receipts = [read_json(p) for p in sorted((run_dir / "receipts").glob("rank-*.json"))]
+    if len(receipts) != ranks:
+        raise StudyError(f"{run_dir}/receipts holds {len(receipts)} receipts for {ranks} ranks")
+    gpu = any("peak_allocated_bytes" in r for r in receipts)
+    process_s = max(r["process_s"] for r in receipts)
+    # A world of one sends nothing, though DeepSpeed still logs (and counts) its all-reduce calls.
+    sent = 0 if ranks == 1 else sum(r["grad_collective_bytes"] + r["other_collective_bytes"] for r in receipts)
+    phases = {}
+    for phase in ("dense", "compressed"):
+        medians = [r["by_phase"][phase]["median_update_s"] for r in receipts if r["by_phase"][phase]["updates"]]
+        phases[phase] = {"updates": max((r["by_phase"][phase]["updates"] for r in receipts), default=0),
+                         "median_update_s": max(medians) if medians else None}
+    per_update = [0 if ranks == 1 else sum(r["update_grad_bytes"][u] for r in receipts)
+                  for u in range(len(receipts[0]["update_grad_bytes"]))]
+    return {"device": "GPU" if gpu else "CPU", "ranks": ranks,
+            "max_active_s": max(r["active_s"] for r in receipts),
+            "max_active_plus_checkpoint_s": max(r["active_plus_checkpoint_s"] for r in receipts),
+            "complete_process_s": process_s, "device_seconds": ranks * process_s,
+            "sent_bytes": sent, "network_usd": sent / 1e9 * usd_per_gb, "phases": phases,
+            "update_bytes": per_update,
+            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in receipts),
+            "peak_allocated_bytes": max((r["peak_allocated_bytes"] for r in receipts if "peak_allocated_bytes" in r),
+                                        default=None)}
+
+
+# ---------------------------------------------------------------- screens
+
+
+def condition(name: str, value, threshold, op: str) -> dict:
+    ok = value is not None and not (isinstance(value, float) and math.isnan(value)) and {
+        ">=": lambda: value >= threshold, ">": lambda: value > threshold, "<": lambda: value < threshold}[op]()
+    return {"name": name, "value": value, "threshold": threshold, "rule": f"{op} {threshold}", "passed": bool(ok)}
+
+
+def quality_screen(candidate: dict, seed: dict, comparisons: list[dict], failed_controls: list[str],
+                   screens: dict) -> dict:
+    if candidate["status"] != "complete":
+        return {"passed": False, "conditions": [{"name": "candidate trained", "passed": False,
+                                                 "value": candidate["status"], "rule": "complete"}]}
+    gain = 100 * (candidate["accuracy"] - seed["accuracy"])
+    retention = candidate.get("retention") or {}
+    conds = [condition("accuracy gain over seed, points", gain, screens["min_accuracy_gain_points"], ">="),
+             condition(f"retention-change {screens['confidence']:.0%} upper bound, nats",
+                       retention.get("upper_nats"), screens["max_retention_upper_nats"], "<")]
+    for c in comparisons:
+        conds.append(condition(f"paired {screens['confidence']:.0%} lower bound vs {c['control']}, points",
+                               c["lower_points"], screens["min_paired_lower_points"], ">"))
+    for name in failed_controls:
+        conds.append({"name": f"paired lower bound vs {name}", "value": None, "passed": False,
+                      "rule": "control arm must finish"})
+    return {"passed": all(c["passed"] for c in conds), "conditions": conds}
+
+
+def speed_screen(arms: list[dict], candidate: str, baseline: str, screens: dict) -> dict:
+    by_name = {a["name"]: a for a in arms}
+    base = by_name[baseline]
+    speedups = {}
+    if base["status"] == "complete":
+        for arm in arms:
+            if arm["status"] == "complete" and arm["name"] != baseline:
+                ex, b = arm["execution"], base["execution"]
+                speedups[arm["name"]] = {"complete_process": b["complete_process_s"] / ex["complete_process_s"],
+                                         "active": b["max_active_s"] / ex["max_active_s"],
+                                         "device_seconds_ratio": ex["device_seconds"] / b["device_seconds"]}
+    value = speedups.get(candidate, {}).get("complete_process")
+    conds = [condition(f"complete-process speedup of {candidate} over {baseline}", value,
+                       screens["min_speedup"], ">=")]
+    return {"passed": conds[0]["passed"], "conditions": conds, "speedups": speedups}
+
+
+# ---------------------------------------------------------------- assembling
+
+
+def analyze(study_dir: Path) -> dict:
+    study = read_json(study_dir / "study.json")
+    screens, conf = study["screens"], study["screens"]["confidence"]
+    exploratory = bool(study.get("exploratory"))
+    commitment = None if exploratory else read_json(study_dir / "commitment.json")
+    seed_rows = read_jsonl(study_dir / "eval" / "seed" / "cases.jsonl")
+    seed = {"name": "seed", **accuracy_block(seed_rows, conf),
+            "model_files": read_json(study_dir / "eval" / "seed" / "summary.json")["model_files"]}
+    arms, case_rows = [], {}
+    for spec in study["arms"]:
+        arm = {"name": spec["name"], "ranks": spec["ranks"], "ds_config": spec["ds_config"], "status": spec["status"],
+               "log": spec.get("log"), "launcher_wall_s": spec.get("launcher_wall_s")}
+        if spec["status"] == "complete":
+            run_dir = Path(spec["run_dir"])
+            run = read_json(run_dir / "run.json")
+            eval_dir = study_dir / "eval" / spec["name"]
+            case_rows[spec["name"]] = read_jsonl(eval_dir / "cases.jsonl")
+            arm.update(accuracy_block(case_rows[spec["name"]], conf))
+            arm.update(parameter_root=run["parameter_root"], prepared_identity=run["prepared_identity"],
+                       plan_sha256=run["plan_sha256"], ds_config_sha256=run["ds_config_sha256"],
+                       model_files=read_json(eval_dir / "summary.json")["model_files"],
+                       retention=retention_block(read_jsonl(eval_dir / "retention.jsonl"), conf),
+                       execution=execution_block(run_dir, spec["ranks"], screens["network_usd_per_gb"]),
+                       metrics=read_jsonl(run_dir / "metrics.jsonl"))
+        else:
+            arm.update(parameter_root=None, accuracy=None, per_family=None)
+        arms.append(arm)
+    candidate = next(a for a in arms if a["name"] == study["candidate"])
+    comparisons, failed_controls = [], []
+    for arm in arms:
+        if arm["name"] == candidate["name"]:
+            continue
+        if arm["status"] != "complete":
+            failed_controls.append(arm["name"])
+            continue
+        if candidate["status"] != "complete":
+            continue
+        cand = {r["case_id"]: r["correct"] for r in case_rows[candidate["name"]]}
+        ctrl = {r["case_id"]: r["correct"] for r in case_rows[arm["name"]]}
+        comparisons.append({"candidate": candidate["name"], "control": arm["name"], **paired_bounds(cand, ctrl, conf)})
+    identities = {a["prepared_identity"] for a in arms if a["status"] == "complete"}
+    return {
+        "exploratory": exploratory,
+        "commitment_sha256": commitment["record_sha256"] if commitment else None,
+        "source": commitment["source"] if commitment else None,
+        "prepared_identity": identities.pop() if len(identities) == 1 else sorted(identities),
+        "plan_sha256": study["plan_sha256"], "candidate": study["candidate"],
+        "speed_baseline": study["speed_baseline"], "screens_declared": screens,
+        "validation": study.get("validation"),
+        "seed": seed, "arms": arms, "comparisons": comparisons,
+        "screens": {"quality": quality_screen(candidate, seed, comparisons, failed_controls, screens),
+                    "speed": speed_screen(arms, study["candidate"], study["speed_baseline"], screens)},
+    }
+
+
+# ---------------------------------------------------------------- report
+
+
+def _pct(x):
+    return "—" if x is None else f"{100 * x:.2f}%"
+
+
+def _num(x, fmt="{:.2f}"):
+    return "—" if x is None else fmt.format(x)
+
+
+def learning_table(results: dict) -> str:
+    models = [results["seed"], *results["arms"]]
+    head = "| Fresh task cases | " + " | ".join(m["name"] for m in models) + " |"
+    lines = [head, "|" + "---|" * (len(models) + 1)]
+    n = results["seed"]["cases"]
+    lines.append(f"| Correct / {n:,} | " + " | ".join(
+        "failed" if m.get("status", "complete") != "complete" else str(m["correct"]) for m in models) + " |")
+    lines.append("| Accuracy | " + " | ".join(_pct(m.get("accuracy")) for m in models) + " |")
+    for fam, block in results["seed"]["per_family"].items():
+        title = FAMILY_TITLES.get(fam, fam)
+        cells = [str(m["per_family"][fam]["correct"]) if m.get("per_family") else "—" for m in models]
+        lines.append(f"| {title} / {block['cases']:,} | " + " | ".join(cells) + " |")
+    conf = f"{results['screens_declared']['confidence']:.0%}"
+    ret = [None] + [a.get("retention") for a in results["arms"]]
+    lines.append("| Mean retention-loss change, nats | " + " | ".join(
+        _num(r["mean_change_nats"] if r else None, "{:+.6f}") for r in ret) + " |")
+    lines.append(f"| Approximate {conf} upper retention bound | " + " | ".join(
+        _num(r["upper_nats"] if r else None, "{:+.6f}") for r in ret) + " |")
+    return "\n".join(lines)
+
+
+def execution_table(results: dict) -> str:
+    arms = [a for a in results["arms"]]
+    ex = [a.get("execution") for a in arms]
+    device = next((e["device"] for e in ex if e), "CPU")
+    rows = [
+        ("Ranks", lambda a, e: str(a["ranks"])),
+        ("Maximum rank active time", lambda a, e: _num(e and e["max_active_s"], "{:,.2f} s")),
+        ("Active time plus final checkpoint", lambda a, e: _num(e and e["max_active_plus_checkpoint_s"], "{:,.2f} s")),
+        ("Complete process group", lambda a, e: _num(e and e["complete_process_s"], "{:,.2f} s")),
+        (f"Allocated {device} seconds, complete process", lambda a, e: _num(e and e["device_seconds"], "{:,.2f}")),
+        ("All ranks, bytes handed to collectives, GB", lambda a, e: _num(e and e["sent_bytes"] / 1e9, "{:,.6f}")),
+        (f"Network cost at ${results['screens_declared']['network_usd_per_gb']}/GB",
+         lambda a, e: _num(e and e["network_usd"], "${:,.4f}")),
+        ("Median dense update (slowest rank)",
+         lambda a, e: _num(e and e["phases"]["dense"]["median_update_s"], "{:.3f} s")),
+        ("Median compressed update (slowest rank)",
+         lambda a, e: _num(e and e["phases"]["compressed"]["median_update_s"], "{:.3f} s")),
+        ("Peak RSS per rank", lambda a, e: _num(e and e["peak_rss_bytes"] / 2**30, "{:.2f} GiB")),
+    ]
+    lines = ["| Measurement | " + " | ".join(a["name"] for a in arms) + " |", "|" + "---|" * (len(arms) + 1)]
+    for title, cell in rows:
+        lines.append(f"| {title} | " + " | ".join(cell(a, e) if (e or title == "Ranks") else a["status"]
+                                                for a, e in zip(arms, ex)) + " |")
+    return "\n".join(lines)
+
+
+def screen_lines(screen: dict) -> list[str]:
+    out = []
+    for c in screen["conditions"]:
+        value = c["value"]
+        shown = f"{value:+.4f}" if isinstance(value, float) else str(value)
+        out.append(f"- {'PASS' if c['passed'] else 'FAIL'}: {c['name']} = {shown} (needs {c['rule']})")
+    return out
+
+
+def render_report(results: dict) -> str:
+    flag = "EXPLORATORY — scored without a commitment; no screen below is a decision.\n\n" if results["exploratory"] else ""
+    q, s = results["screens"]["quality"], results["screens"]["speed"]
+    lines = [f"# Study report{' (exploratory)' if results['exploratory'] else ''}", "", *([flag.strip(), ""] if flag else []),
+             f"Candidate: `{results['candidate']}`. Commitment record: `{results['commitment_sha256']}`. "
+             f"Prepared identity: `{results['prepared_identity']}`.", ""]
+    if results.get("source"):
+        lines += [f"Source commit: `{results['source']['commit']}` (dirty: {results['source']['dirty']}).", ""]
+    lines += ["## Learning", "", learning_table(results), "",
+              f"Quality screen: **{'PASSED' if q['passed'] else 'FAILED'}**", "", *screen_lines(q), ""]
+    if results["comparisons"]:
+        conf = f"{results['screens_declared']['confidence']:.0%}"
+        lines += [f"| Paired comparison | n | discordant | difference, points | {conf} interval, points |",
+                  "|---|---|---|---|---|"]
+        for c in results["comparisons"]:
+            lines.append(f"| {c['candidate']} − {c['control']} | {c['n']} | {c['discordant']} | "
+                         f"{c['difference_points']:+.2f} | [{c['lower_points']:+.2f}, {c['upper_points']:+.2f}] |")
+        lines.append("")
+    lines += ["## Execution", "", execution_table(results), "",
+              f"Speed screen: **{'PASSED' if s['passed'] else 'FAILED'}**", "", *screen_lines(s), ""]
+    for name, sp in s["speedups"].items():
+        lines.append(f"- {name}: complete-process speedup {sp['complete_process']:.3f}×, active {sp['active']:.3f}×, "
+                     f"{sp['device_seconds_ratio']:.3f}× the baseline's device seconds")
+    lines += ["", "## Evidence", ""]
+    for arm in results["arms"]:
+        if arm["status"] == "complete":
+            lines.append(f"- {arm['name']}: parameter root `{arm['parameter_root']}`")
+        else:
+            lines.append(f"- {arm['name']}: **{arm['status']}** (log: `{arm['log']}`)")
+    if results.get("validation"):
+        lines.append(f"- post-scoring validation: passed on {results['validation']['case_ids']} cases per model")
+    return "\n".join(lines).replace("\n\n\n", "\n\n") + "\n"
+
+
+# ---------------------------------------------------------------- plots
+
+
+def write_plots(results: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    tag = " (exploratory)" if results["exploratory"] else ""
+    models = [results["seed"], *[a for a in results["arms"] if a["status"] == "complete"]]
+    families = list(results["seed"]["per_family"])
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / len(models)
+    for k, m in enumerate(models):
+        blocks = [m["per_family"][f] for f in families]
+        xs = [i + (k - (len(models) - 1) / 2) * width for i in range(len(families))]
+        acc = [100 * b["accuracy"] for b in blocks]
+        err = [[100 * (b["accuracy"] - max(b["lower"], 0)) for b in blocks],
+               [100 * (min(b["upper"], 1) - b["accuracy"]) for b in blocks]]
+        ax.bar(xs, acc, width, yerr=err, capsize=3, label=m["name"])
+    ax.set_xticks(range(len(families)), [FAMILY_TITLES.get(f, f) for f in families])
+    ax.set_ylabel("exact-match accuracy, % (approx. interval)")
+    ax.set_ylim(0, 105)
+    ax.set_title(f"Accuracy per family{tag}")
+    ax.legend()
+    paths.append(_save(fig, out / "accuracy_per_family.png"))
+
+    for key, ylabel, name, log in (("loss", "training loss (global, nats/token)", "loss_per_update.png", False),
+                                   ("bytes", "bytes handed to gradient collectives, all ranks", "bytes_per_update.png",
+                                    True)):
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for arm in results["arms"]:
+            if arm["status"] != "complete":
+                continue
+            ys = ([m["loss"] for m in arm["metrics"]] if key == "loss" else arm["execution"]["update_bytes"])
+            ax.plot(range(1, len(ys) + 1), ys, marker="o", markersize=3, label=arm["name"])
+        if log:
+            ax.set_yscale("symlog", linthresh=1.0)
+        ax.set_xlabel("update")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{ylabel.split(',')[0].capitalize()} per update{tag}")
+        ax.legend()
+        paths.append(_save(fig, out / name))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.tight_layout()
+    fig.savefig(tmp, dpi=110)
+    fig.clf()
+    tmp.replace(path)
+    return path
+
+
+def write_outputs(study_dir: Path) -> dict:
+    results = analyze(study_dir)
+    plots = write_plots(results, study_dir / "plots")
+    public = {**results, "arms": [{k: v for k, v in a.items() if k != "metrics"} for a in results["arms"]],
+              "plots": [str(p.relative_to(study_dir)) for p in plots]}
+    for path, text in ((study_dir / "results.json", json.dumps(public, indent=1, sort_keys=True) + "\n"),
+                       (study_dir / "report.md", render_report(results))):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("study_dir", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        results = write_outputs(args.study_dir)
+    except (StudyError, OSError, KeyError) as exc:
+        print(f"analysis.study: error: {exc}", file=sys.stderr)
+        return 2
+    print(learning_table(results))
+    print(f"\nquality screen: {'PASSED' if results['screens']['quality']['passed'] else 'FAILED'}; "
+          f"speed screen: {'PASSED' if results['screens']['speed']['passed'] else 'FAILED'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

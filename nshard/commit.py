@@ -1,0 +1,152 @@
+"""Commit-before-score: one record that names every candidate of a study before any of them is scored.
+
+    python -m nshard.commit OUT.json --seed SEED_MODEL_DIR --arm NAME=RUN_DIR [--arm NAME=RUN_DIR ...]
+
+For each candidate the record holds its exported model's per-file SHA-256, its parameter root,
+the plan and ds_config hashes, the prepared identity and the source commit; the record's own
+SHA-256 covers all of it. `nshard.evaluate` refuses a model that no record names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from nshard.files import file_sha256, write_json_atomic
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class CommitError(RuntimeError):
+    """A candidate that cannot be committed, or a record that does not hold; the message says which."""
+
+
+def model_files(model_dir: Path) -> dict[str, str]:
+    """SHA-256 of every regular file under a model directory, by relative path."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CommitError(f"model directory {model_dir} does not exist")
+    files = {str(p.relative_to(model_dir)): file_sha256(p) for p in sorted(model_dir.rglob("*")) if p.is_file()}
+    if not files:
+        raise CommitError(f"model directory {model_dir} holds no files")
+    return files
+
+
+def source_state(repo: Path = REPO_ROOT) -> dict:
+    """The source commit and whether the working tree differed from it (None outside a git checkout)."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=60)
+
+    head = git("rev-parse", "HEAD")
+    if head.returncode != 0:
+        return {"commit": None, "dirty": None}
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip())}
+
+
+def candidate_entry(name: str, run_dir: Path) -> dict:
+    """What binds one trained arm: its finished run's hashes and its exported model's files."""
+    run_dir = Path(run_dir)
+    run_json = run_dir / "run.json"
+    if not run_json.is_file():
+        raise CommitError(f"candidate {name}: {run_json} does not exist; train the arm first")
+    run = json.loads(run_json.read_text())
+    if run.get("status") != "complete":
+        raise CommitError(f"candidate {name}: {run_json} says status={run.get('status')!r}, not complete; "
+                          "only finished runs can be committed")
+    roots = {json.loads(p.read_text())["parameter_root"] for p in sorted((run_dir / "receipts").glob("rank-*.json"))}
+    if roots != {run["parameter_root"]}:
+        raise CommitError(f"candidate {name}: the receipts' parameter roots {sorted(roots)} differ from run.json's")
+    return {"name": name, "run_dir": str(run_dir), "model_dir": str(run_dir / "model"),
+            "files": model_files(run_dir / "model"), "parameter_root": run["parameter_root"],
+            "plan_sha256": run["plan_sha256"], "ds_config_sha256": run["ds_config_sha256"],
+            "prepared_identity": run["prepared_identity"], "world_size": run["world_size"],
+            "zero_stage": run.get("zero_stage"), "reducer": run.get("reducer")}
+
+
+def record_sha256(body: dict) -> str:
+    canonical = json.dumps({k: v for k, v in body.items() if k != "record_sha256"}, sort_keys=True,
+                           separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def build_commitment(seed_dir: Path, arms: dict[str, Path]) -> dict:
+    """One record for all candidates together; they must share one prepared identity."""
+    candidates = [candidate_entry(name, run_dir) for name, run_dir in arms.items()]
+    identities = {c["prepared_identity"] for c in candidates}
+    if len(identities) != 1:
+        raise CommitError(f"the candidates were trained on different prepared inputs {sorted(identities)}; "
+                          "a study compares arms of one plan")
+    body = {"kind": "nshard-commitment", "version": 1,
+            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "source": source_state(), "prepared_identity": identities.pop(),
+            "seed": {"name": "seed", "model_dir": str(seed_dir), "files": model_files(seed_dir)},
+            "candidates": candidates}
+    body["record_sha256"] = record_sha256(body)
+    return body
+
+
+def write_commitment(path: Path, seed_dir: Path, arms: dict[str, Path]) -> dict:
+    body = build_commitment(seed_dir, arms)
+    write_json_atomic(path, body)
+    return body
+
+
+def load_commitment(path: Path) -> dict:
+    """Read a record and check its own hash: an edited record is refused."""
+    path = Path(path)
+    if not path.is_file():
+        raise CommitError(f"commitment {path} does not exist; run python -m nshard.commit first")
+    try:
+        body = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CommitError(f"commitment {path} is not JSON ({exc.msg})") from None
+    if body.get("kind") != "nshard-commitment" or "record_sha256" not in body:
+        raise CommitError(f"{path} is not an nshard commitment record")
+    if record_sha256(body) != body["record_sha256"]:
+        raise CommitError(f"commitment {path} was changed after it was written (its record_sha256 does not "
+                          "match its contents); commit again")
+    return body
+
+
+def committed_name(record: dict, files: dict[str, str]) -> str | None:
+    """The name under which the record commits a model with exactly these files, or None."""
+    for entry in [record["seed"], *record["candidates"]]:
+        if entry["files"] == files:
+            return entry["name"]
+    return None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path, help="commitment record to write (JSON)")
+    parser.add_argument("--seed", required=True, type=Path, help="the untrained model's directory")
+    parser.add_argument("--arm", action="append", default=[], metavar="NAME=RUN_DIR", help="a finished arm")
+    args = parser.parse_args(argv)
+    arms = {}
+    for item in args.arm:
+        name, sep, run_dir = item.partition("=")
+        if not sep or not name or not run_dir:
+            print(f"nshard.commit: error: --arm {item!r} must be NAME=RUN_DIR", file=sys.stderr)
+            return 2
+        arms[name] = Path(run_dir)
+    if not arms:
+        print("nshard.commit: error: name at least one --arm NAME=RUN_DIR", file=sys.stderr)
+        return 2
+    try:
+        body = write_commitment(args.out, args.seed, arms)
+    except (CommitError, OSError) as exc:
+        print(f"nshard.commit: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"commitment": str(args.out), "record_sha256": body["record_sha256"],
+                      "candidates": [c["name"] for c in body["candidates"]]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""The study: train the plan's arms, commit them together, score the seed and every candidate,
+validate the scores, and analyze (screens, report, plots).
+
+    python -m nshard.study --plan PLAN [--out DIR] [--exploratory]
+
+DIR (default runs/study-<plan name>) holds study.json, arms/<arm>/ (one run directory each),
+logs/, commitment.json, eval/<model>/, validation.json, results.json, report.md and plots/.
+Running it again reuses every arm that finished with the same plan, ds_config and rank count.
+A failed arm keeps its log and run directory (under failed/) and is reported as failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from nshard.files import file_sha256, write_json_atomic
+from nshard.plan import REPO_ROOT, ArmSpec, Plan, PlanError, load_plan
+
+
+class StudyError(RuntimeError):
+    """A study that cannot go on; the message says which step and what to do."""
+
+
+def say(message: str) -> None:
+    print(f"[study] {message}", flush=True)
+
+
+def resolve_ds_config(path: str) -> Path:
+    """A relative ds_config path is read from the working directory, else from the repository root."""
+    for candidate in (Path(path), REPO_ROOT / path):
+        if candidate.is_file():
+            return candidate.resolve()
+    raise StudyError(f"study.arms ds_config {path} does not exist (looked in {Path.cwd()} and {REPO_ROOT}); "
+                     "fix the arm's ds_config path")
+
+
+def launch_command(arm: ArmSpec, plan: Plan, plan_path: Path, ds_config: Path, run_dir: Path, port: int) -> list[str]:
+    """DeepSpeed's own launcher: one rank, N local ranks, or the plan's hostfile."""
+    from nshard.hostfile import parse_hostfile
+
+    deepspeed = str(Path(sys.executable).with_name("deepspeed"))
+    if arm.ranks == 1 or not plan.study.hostfile:
+        where = ["--num_gpus", str(arm.ranks)]
+    else:
+        hosts = parse_hostfile(plan.study.hostfile)
+        where = ["--hostfile", plan.study.hostfile]
+        if list(hosts) == ["localhost"]:  # DeepSpeed's plain form would ssh to localhost
+            where += ["--no_ssh_check", "--master_addr", "127.0.0.1"]
+    return [deepspeed, *where, "--master_port", str(port), str(REPO_ROOT / "nshard" / "train.py"),
+            "--ds_config", str(ds_config), "--plan", str(plan_path), "--out", str(run_dir), "--overwrite"]
+
+
+def arm_is_done(run_dir: Path, plan_sha: str, ds_sha: str, ranks: int) -> bool:
+    """Finished earlier with the same inputs: complete run.json, same hashes and rank count, an exported model."""
+    try:
+        run = json.loads((run_dir / "run.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return (run.get("status") == "complete" and run.get("plan_sha256") == plan_sha
+            and run.get("ds_config_sha256") == ds_sha and run.get("world_size") == ranks
+            and (run_dir / "model" / "model.safetensors").is_file())
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: dict | None) -> dict:
+    """Train one arm unless it already finished with these inputs; a failure is recorded, never retried here."""
+    ds_config = resolve_ds_config(arm.ds_config)
+    run_dir = out / "arms" / arm.name
+    plan_sha, ds_sha = file_sha256(plan_path), file_sha256(ds_config)
+    attempts = list((previous or {}).get("attempts", []))
+    entry = {"name": arm.name, "ranks": arm.ranks, "ds_config": str(ds_config), "ds_config_sha256": ds_sha,
+             "run_dir": str(run_dir), "attempts": attempts}
+    if arm_is_done(run_dir, plan_sha, ds_sha, arm.ranks):
+        say(f"arm {arm.name}: finished earlier with the same plan and ds_config; reused")
+        last = attempts[-1] if attempts else {}
+        return {**entry, "status": "complete", "reused": True, "log": last.get("log"),
+                "launcher_wall_s": last.get("wall_s")}
+    if run_dir.exists():  # an unfinished or stale attempt stays in the evidence, out of the way
+        keep = out / "failed" / f"{arm.name}-attempt-{len(attempts)}"
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(keep, ignore_errors=True)
+        run_dir.rename(keep)
+    log = out / "logs" / f"{arm.name}-attempt-{len(attempts) + 1}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = launch_command(arm, plan, plan_path, ds_config, run_dir, free_port())
+    say(f"arm {arm.name}: training on {arm.ranks} rank(s) with {arm.ds_config} (log: {log})")
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        rc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+    wall = time.perf_counter() - t0
+    attempts.append({"rc": rc, "log": str(log), "wall_s": wall,
+                     "at": datetime.datetime.now(datetime.timezone.utc).isoformat()})
+    ok = rc == 0 and arm_is_done(run_dir, plan_sha, ds_sha, arm.ranks)
+    status = "complete" if ok else "failed"
+    say(f"arm {arm.name}: {status} in {wall:.0f} s" + ("" if ok else f" (exit {rc}); see {log}"))
+    tail = [] if ok else log.read_text(errors="replace").splitlines()[-15:]
+    return {**entry, "status": status, "reused": False, "log": str(log), "launcher_wall_s": wall, "rc": rc,
+            "error_tail": tail}
+
+
+def commit_candidates(out: Path, seed_dir: Path, arms: dict[str, Path]) -> dict:
+    """One record for all finished arms; an earlier record that names exactly the same models is kept."""
+    from nshard import commit
+
+    path = out / "commitment.json"
+    fresh = commit.build_commitment(seed_dir, arms)
+    if path.is_file():
+        try:
+            old = commit.load_commitment(path)
+        except commit.CommitError:
+            old = None
+        def key(record):
+            return [(c["name"], c["files"], c["parameter_root"]) for c in record["candidates"]], record["seed"]["files"]
+        if old is not None and key(old) == key(fresh):
+            say(f"commitment {old['record_sha256'][:16]} already names these candidates; kept")
+            return old
+    write_json_atomic(path, fresh)
+    say(f"committed {len(arms)} candidate(s) before scoring: record {fresh['record_sha256'][:16]} ({path})")
+    return fresh
+
+
+def score_all(plan: Plan, out: Path, seed_dir: Path, arms: dict[str, Path], record: dict | None) -> dict[str, Path]:
+    """Score the seed, then every candidate (retention measured against the seed's losses)."""
+    from nshard import commit
+    from nshard.evaluate import score_model
+
+    exploratory = record is None
+    reference_run = next(iter(arms.values()))
+    evals: dict[str, Path] = {}
+    for label, model_dir in [("seed", seed_dir), *((name, run / "model") for name, run in arms.items())]:
+        target = out / "eval" / label
+        summary_path = target / "summary.json"
+        if summary_path.is_file():
+            summary = json.loads(summary_path.read_text())
+            same = (summary.get("commitment") == (record or {}).get("record_sha256")
+                    and summary.get("exploratory") == exploratory
+                    and summary.get("model_files") == commit.model_files(model_dir)
+                    and summary.get("with_seed_retention") == (label != "seed"))
+            if same:
+                say(f"score {label}: scored earlier under the same commitment; reused")
+                evals[label] = target
+                continue
+        say(f"score {label}: {model_dir}")
+        score_model(label, model_dir, reference_run, target, commitment=None if exploratory else out / "commitment.json",
+                    exploratory=exploratory, seed_eval=None if label == "seed" else evals["seed"],
+                    max_new_tokens=plan.study.eval_max_new_tokens, batch_size=plan.study.eval_batch_size)
+        evals[label] = target
+    return evals
+
+
+def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = False) -> dict:
+    from nshard.models import ModelRef, load_tokenizer, resolve_model
+    from nshard.validate import validate
+
+    plan_path = Path(plan_path).resolve()
+    plan = load_plan(plan_path)
+    out = Path(out or Path("runs") / f"study-{plan.name}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    for arm in plan.study.arms:  # every ds_config is checked before the first arm starts
+        resolve_ds_config(arm.ds_config)
+    previous = {}
+    if (out / "study.json").is_file():
+        previous = {a["name"]: a for a in json.loads((out / "study.json").read_text()).get("arms", [])}
+    study = {"plan": str(plan_path), "plan_sha256": file_sha256(plan_path), "plan_name": plan.name,
+             "candidate": plan.study.candidate, "speed_baseline": plan.study.speed_baseline,
+             "screens": dataclasses.asdict(plan.screens), "exploratory": exploratory, "arms": [],
+             "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+    shutil.copyfile(plan_path, out / "plan.toml")
+    t0 = time.perf_counter()
+    for arm in plan.study.arms:
+        study["arms"].append(train_arm(arm, plan, plan_path, out, previous.get(arm.name)))
+        write_json_atomic(out / "study.json", study)
+    train_s = time.perf_counter() - t0
+    done = {a["name"]: Path(a["run_dir"]) for a in study["arms"] if a["status"] == "complete"}
+    if not done:
+        raise StudyError(f"no arm finished; see the logs under {out / 'logs'}")
+
+    seed_dir = Path(resolve_model(plan.model.spec).path)
+    record = None if exploratory else commit_candidates(out, seed_dir, done)
+    if exploratory:
+        say("EXPLORATORY: scoring without a commitment; every output says so")
+    evals = score_all(plan, out, seed_dir, done, record)
+    tokenizer = load_tokenizer(ModelRef(str(seed_dir), str(seed_dir), None, "local"))
+    study["validation"] = validate(next(iter(done.values())), tokenizer, evals)
+    write_json_atomic(out / "validation.json", study["validation"])
+    say(f"validation passed: {len(evals)} models x {study['validation']['case_ids']} cases re-checked")
+    study["train_s"], study["total_s"] = train_s, time.perf_counter() - t0
+    write_json_atomic(out / "study.json", study)
+    # The analysis reads files only; a separate process keeps torch and nshard out of it.
+    proc = subprocess.run([sys.executable, "-m", "analysis.study", str(out)], cwd=REPO_ROOT)
+    if proc.returncode != 0:
+        raise StudyError(f"analysis failed (exit {proc.returncode}); rerun python -m analysis.study {out}")
+    say(f"results: {out / 'results.json'}; report: {out / 'report.md'}; plots: {out / 'plots'}")
+    return json.loads((out / "results.json").read_text())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--plan", required=True, type=Path, help="experiment plan TOML with a [study] section")
+    parser.add_argument("--out", type=Path, help="study directory (default runs/study-<plan name>)")
+    parser.add_argument("--exploratory", action="store_true",
+                        help="score without a commitment; every output is marked exploratory")
+    args = parser.parse_args(argv)
+    from nshard.commit import CommitError
+    from nshard.evaluate import EvalError
+    from nshard.hostfile import HostfileError
+    from nshard.validate import ValidationError
+
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    try:
+        results = run_study(args.plan, args.out, args.exploratory)
+    except (PlanError, StudyError, CommitError, EvalError, ValidationError, HostfileError, OSError) as exc:
+        print(f"nshard.study: error: {exc}", file=sys.stderr)
+        return 2
+    failed = [a["name"] for a in results["arms"] if a["status"] != "complete"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

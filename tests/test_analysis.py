@@ -1,0 +1,195 @@
+"""The study analysis on hand-computed cases: paired bounds, retention bounds, screens, report (no torch)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from analysis.paired import PairingError, mean_interval, paired_bounds
+from analysis.study import analyze, write_outputs
+
+REPO = Path(__file__).resolve().parent.parent
+Z99 = 2.5758293035489004
+
+
+def vectors(both: int, cand_only: int, ctrl_only: int, neither: int) -> tuple[dict, dict]:
+    cand, ctrl, i = {}, {}, 0
+    for count, c, k in ((both, True, True), (cand_only, True, False), (ctrl_only, False, True), (neither, False, False)):
+        for _ in range(count):
+            cand[f"case-{i:05d}"], ctrl[f"case-{i:05d}"] = c, k
+            i += 1
+    return cand, ctrl
+
+
+def test_identical_arms_give_zero_difference_and_an_interval_around_zero():
+    cand, ctrl = vectors(30, 0, 0, 20)
+    r = paired_bounds(cand, ctrl, 0.99)
+    assert (r["n"], r["discordant"]) == (50, 0)
+    assert r["difference_points"] == r["lower_points"] == r["upper_points"] == 0.0
+
+
+def test_all_discordant_pairs_by_hand():
+    # d = +1 five times, -1 five times: mean 0, s^2 = 10/9, half-width z * s / sqrt(10).
+    cand, ctrl = vectors(0, 5, 5, 0)
+    r = paired_bounds(cand, ctrl, 0.99)
+    half = Z99 * math.sqrt(10 / 9) / math.sqrt(10) * 100
+    assert r["discordant"] == 10 and r["difference_points"] == 0.0
+    assert r["lower_points"] == pytest.approx(-half) and r["upper_points"] == pytest.approx(half)
+    assert r["lower_points"] == pytest.approx(-85.8610, abs=1e-3)
+    # Every pair favours the candidate: no spread, so the interval is the point itself.
+    r = paired_bounds(*vectors(0, 4, 0, 0), 0.99)
+    assert r["difference_points"] == r["lower_points"] == r["upper_points"] == 100.0
+
+
+def test_published_three_arm_study_bounds():
+    # 1,024 cases; candidate 727 correct vs 730 (33 discordant) and vs 723 (28 discordant).
+    vs_one = paired_bounds(*vectors(712, 15, 18, 279), 0.99)
+    vs_dense = paired_bounds(*vectors(711, 16, 12, 285), 0.99)
+    assert (vs_one["candidate_correct"], vs_one["control_correct"], vs_one["discordant"]) == (727, 730, 33)
+    assert (vs_dense["candidate_correct"], vs_dense["control_correct"], vs_dense["discordant"]) == (727, 723, 28)
+    assert round(vs_one["lower_points"], 2) == -1.74
+    assert round(vs_dense["lower_points"], 2) == -0.94
+
+
+def test_mean_interval_uses_the_sample_standard_deviation():
+    mean, lower, upper = mean_interval([0.01, -0.02, 0.03, 0.0], 0.99)
+    s = math.sqrt(sum((v - 0.005) ** 2 for v in [0.01, -0.02, 0.03, 0.0]) / 3)
+    assert mean == pytest.approx(0.005)
+    assert upper == pytest.approx(0.005 + Z99 * s / 2)
+    assert lower == pytest.approx(0.005 - Z99 * s / 2)
+
+
+def write_jsonl(path: Path, rows) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_paired_cli_reads_files_and_refuses_different_case_ids(tmp_path):
+    cand, ctrl = vectors(712, 15, 18, 279)
+    write_jsonl(tmp_path / "cand.jsonl", [{"case_id": k, "correct": v, "family": "x"} for k, v in cand.items()])
+    write_jsonl(tmp_path / "ctrl.jsonl", [{"case_id": k, "correct": v} for k, v in ctrl.items()])
+    proc = subprocess.run([sys.executable, "-m", "analysis.paired", str(tmp_path / "cand.jsonl"),
+                           str(tmp_path / "ctrl.jsonl"), "--confidence", "0.99"],
+                          cwd=REPO, capture_output=True, text=True, check=True)
+    out = json.loads(proc.stdout)
+    assert set(out) == {"n", "discordant", "difference_points", "lower_points", "upper_points"}
+    assert (out["n"], out["discordant"], round(out["lower_points"], 2)) == (1024, 33, -1.74)
+    write_jsonl(tmp_path / "other.jsonl", [{"case_id": k + "x", "correct": v} for k, v in ctrl.items()])
+    proc = subprocess.run([sys.executable, "-m", "analysis.paired", str(tmp_path / "cand.jsonl"),
+                           str(tmp_path / "other.jsonl")], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and "different case IDs" in proc.stderr
+    with pytest.raises(PairingError, match="different case IDs"):
+        paired_bounds({"a": True}, {"b": True})
+
+
+def test_analysis_never_imports_torch_or_nshard():
+    code = ("import sys, analysis.study, analysis.paired; "
+            "bad = [m for m in ('torch', 'nshard') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+# ---------------------------------------------------------------- a synthetic study directory
+
+SCREENS = {"min_accuracy_gain_points": 10.0, "max_retention_upper_nats": 0.02, "min_paired_lower_points": -3.0,
+           "min_speedup": 1.10, "confidence": 0.99, "network_usd_per_gb": 0.02}
+FAMILIES = ("lookup", "filtering")
+
+
+def make_arm(root: Path, name: str, ranks: int, process_s: float, correct: list[bool], changes: list[float]):
+    run = root / "arms" / name
+    (run / "receipts").mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"status": "complete", "parameter_root": f"root-{name}",
+                                              "prepared_identity": "ident", "plan_sha256": "p",
+                                              "ds_config_sha256": f"ds-{name}"}))
+    for r in range(ranks):
+        (run / "receipts" / f"rank-{r}.json").write_text(json.dumps({
+            "active_s": process_s - 5, "active_plus_checkpoint_s": process_s - 4, "process_s": process_s,
+            "grad_collective_bytes": 1000 * (ranks - 1) * 2, "other_collective_bytes": 10,
+            "update_grad_bytes": [1000 * (ranks - 1), 1000 * (ranks - 1)], "peak_rss_bytes": 2**30,
+            "by_phase": {"dense": {"updates": 2, "median_update_s": 1.0},
+                         "compressed": {"updates": 0, "median_update_s": None}}}))
+    write_jsonl(run / "metrics.jsonl", [{"update": 1, "loss": 2.0}, {"update": 2, "loss": 1.5}])
+    write_eval(root, name, correct, changes)
+    return {"name": name, "ranks": ranks, "ds_config": "x.json", "status": "complete", "run_dir": str(run),
+            "log": f"logs/{name}.log"}
+
+
+def write_eval(root: Path, name: str, correct: list[bool], changes: list[float] | None):
+    d = root / "eval" / name
+    write_jsonl(d / "cases.jsonl", [{"case_id": f"c{i:03d}", "family": FAMILIES[i % 2], "correct": c}
+                                    for i, c in enumerate(correct)])
+    write_jsonl(d / "retention.jsonl", [{"doc_id": f"r{i}", "nll_sum": 1.0, "change_nats_per_token": c}
+                                        for i, c in enumerate(changes or [])])
+    (d / "summary.json").write_text(json.dumps({"model_files": {"model.safetensors": name}}))
+
+
+def make_study(root: Path, *, candidate_correct: int, retention_shift: float, candidate_process_s: float,
+               dense_correct: int = 60) -> Path:
+    n = 100
+    changes = [retention_shift + 0.001 * ((i % 5) - 2) for i in range(16)]
+    arms = [make_arm(root, "one-rank", 1, 100.0, [i < 60 for i in range(n)], [0.0] * 16),
+            make_arm(root, "dense", 2, 95.0, [i < dense_correct for i in range(n)], [0.0] * 16),
+            make_arm(root, "powersgd", 2, candidate_process_s, [i < candidate_correct for i in range(n)], changes)]
+    write_eval(root, "seed", [i < 20 for i in range(n)], None)
+    (root / "commitment.json").write_text(json.dumps({"record_sha256": "c" * 64, "source": {"commit": "abc",
+                                                                                            "dirty": False}}))
+    (root / "study.json").write_text(json.dumps({"plan_sha256": "p", "candidate": "powersgd",
+                                                 "speed_baseline": "one-rank", "screens": SCREENS,
+                                                 "exploratory": False, "arms": arms}))
+    return root
+
+
+def failed_conditions(results: dict, screen: str) -> list[str]:
+    return [c["name"] for c in results["screens"][screen]["conditions"] if not c["passed"]]
+
+
+def test_screens_pass_when_every_condition_holds(tmp_path):
+    results = analyze(make_study(tmp_path, candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0))
+    assert results["screens"]["quality"]["passed"] and results["screens"]["speed"]["passed"]
+    speed = results["screens"]["speed"]["speedups"]["powersgd"]
+    assert speed["complete_process"] == pytest.approx(100 / 80)
+    assert speed["device_seconds_ratio"] == pytest.approx(2 * 80 / 100)
+    assert results["arms"][0]["execution"]["sent_bytes"] == 0  # one rank sends nothing
+    assert results["arms"][2]["execution"]["network_usd"] == pytest.approx(2 * 2010 / 1e9 * 0.02)
+
+
+def test_a_candidate_that_fails_exactly_the_retention_condition(tmp_path):
+    results = analyze(make_study(tmp_path, candidate_correct=60, retention_shift=0.025, candidate_process_s=80.0))
+    assert failed_conditions(results, "quality") == ["retention-change 99% upper bound, nats"]
+    assert not results["screens"]["quality"]["passed"] and results["screens"]["speed"]["passed"]
+
+
+def test_a_candidate_that_fails_exactly_one_paired_condition(tmp_path):
+    # 55 vs 60 correct against one rank: 5 discordant pairs, all against the candidate (-5 points);
+    # the dense control also has 55, so that comparison is an exact tie.
+    results = analyze(make_study(tmp_path, candidate_correct=55, retention_shift=0.0, candidate_process_s=80.0,
+                                 dense_correct=55))
+    assert failed_conditions(results, "quality") == ["paired 99% lower bound vs one-rank, points"]
+    vs_one, vs_dense = results["comparisons"]
+    assert vs_one["difference_points"] == pytest.approx(-5.0) and vs_one["discordant"] == 5
+    assert vs_dense["discordant"] == 0 and vs_dense["lower_points"] == 0.0
+
+
+def test_a_slow_candidate_fails_only_the_speed_screen(tmp_path):
+    results = analyze(make_study(tmp_path, candidate_correct=60, retention_shift=0.0, candidate_process_s=95.0))
+    assert results["screens"]["quality"]["passed"]
+    assert failed_conditions(results, "speed") == ["complete-process speedup of powersgd over one-rank"]
+
+
+def test_a_failed_control_is_reported_and_fails_the_quality_screen(tmp_path):
+    root = make_study(tmp_path, candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
+    study = json.loads((root / "study.json").read_text())
+    study["arms"][1]["status"] = "failed"
+    (root / "study.json").write_text(json.dumps(study))
+    results = write_outputs(root)
+    assert [a["status"] for a in results["arms"]] == ["complete", "failed", "complete"]
+    assert failed_conditions(results, "quality") == ["paired lower bound vs dense"]
+    report = (root / "report.md").read_text()
+    assert "**failed**" in report and "| Correct / 100 | 20 | 60 | failed | 60 |" in report
+    for plot in ("accuracy_per_family.png", "loss_per_update.png", "bytes_per_update.png"):
+        assert (root / "plots" / plot).stat().st_size > 1000

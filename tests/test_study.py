@@ -1,0 +1,165 @@
+"""The whole study on the tiny plan: arms, commitment, scoring, validation, analysis; then what must be refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nshard.commit import CommitError, load_commitment
+from nshard.evaluate import read_jsonl
+from nshard.models import load_tokenizer, resolve_model
+from nshard.validate import ValidationError, validate
+from runs import REPO, run_env, tiny_config
+
+pytestmark = pytest.mark.slow
+
+
+def study_plan(tmp: Path) -> Path:
+    """The tiny plan, four arms: the usual three (PowerSGD compressing after one dense update) and one that fails."""
+    (tmp / "dense.json").write_text(json.dumps(tiny_config("dense")))
+    (tmp / "powersgd.json").write_text(json.dumps(tiny_config("dense", nshard={
+        "reducer": "powersgd", "rank": 4, "dense_warmup_updates": 1})))
+    (tmp / "broken.json").write_text(json.dumps(tiny_config("dense", nshard={"reducer": "powersgd", "rank": 0})))
+    arms = "".join(f'\n[[study.arms]]\nname = "{n}"\nranks = {r}\nds_config = "{tmp / c}"\n'
+                   for n, r, c in (("one-rank", 1, "dense.json"), ("dense", 2, "dense.json"),
+                                   ("powersgd", 2, "powersgd.json"), ("broken", 2, "broken.json")))
+    plan = tmp / "tiny-study.toml"
+    plan.write_text((REPO / "launch/plans/tiny.toml").read_text()
+                    + '\n[study]\ncandidate = "powersgd"\nspeed_baseline = "one-rank"\neval_max_new_tokens = 12\n'
+                    + arms)
+    return plan
+
+
+def run_study(plan: Path, out: Path, *extra) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nshard.study", "--plan", str(plan), "--out", str(out), *extra],
+                          cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("study")
+    plan = study_plan(tmp)
+    out = tmp / "out"
+    proc = run_study(plan, out)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # 1: the broken arm failed
+    return {"plan": plan, "out": out, "proc": proc}
+
+
+def test_the_study_writes_its_outputs_and_reports_the_failed_arm(study):
+    out, stdout = study["out"], study["proc"].stdout
+    results = json.loads((out / "results.json").read_text())
+    assert [a["name"] for a in results["arms"]] == ["one-rank", "dense", "powersgd", "broken"]
+    for arm in results["arms"][:3]:
+        assert arm["status"] == "complete" and len(arm["parameter_root"]) == 64
+        assert 0.0 <= arm["accuracy"] <= 1.0 and set(arm["per_family"]) == {"lookup", "filtering", "sorting", "invoice"}
+    broken = results["arms"][3]
+    assert broken["status"] == "failed" and Path(broken["log"]).is_file()
+    assert "nshard: error: " in Path(broken["log"]).read_text() and "nshard.rank is 0" in Path(broken["log"]).read_text()
+    for screen in ("quality", "speed"):
+        assert isinstance(results["screens"][screen]["passed"], bool) and results["screens"][screen]["conditions"]
+    assert not results["screens"]["quality"]["passed"]  # a control failed: no non-inferiority claim against it
+    record = load_commitment(out / "commitment.json")
+    assert results["commitment_sha256"] == record["record_sha256"]
+    assert [c["name"] for c in record["candidates"]] == ["one-rank", "dense", "powersgd"]
+    assert json.loads((out / "validation.json").read_text())["passed"]
+    assert "| Fresh task cases | seed | one-rank | dense | powersgd | broken |" in stdout
+    report = (out / "report.md").read_text()
+    assert "Quality screen" in report and "Speed screen" in report and "**failed**" in report
+    assert {p.name for p in (out / "plots").glob("*.png")} == {"accuracy_per_family.png", "loss_per_update.png",
+                                                              "bytes_per_update.png"}
+    receipts = [json.loads(p.read_text()) for p in (out / "arms/powersgd/receipts").glob("rank-*.json")]
+    assert all(any(r["update_compressed"]) for r in receipts)
+    # The commitment was written before any score: every evaluation names it.
+    for label in ("seed", "one-rank", "dense", "powersgd"):
+        assert json.loads((out / "eval" / label / "summary.json").read_text())["commitment"] == record["record_sha256"]
+
+
+def test_a_rerun_reuses_finished_arms_and_keeps_the_failed_attempts(study):
+    proc = run_study(study["plan"], study["out"])
+    assert proc.returncode == 1
+    for arm in ("one-rank", "dense", "powersgd"):
+        assert f"arm {arm}: finished earlier with the same plan and ds_config; reused" in proc.stdout
+    state = json.loads((study["out"] / "study.json").read_text())
+    broken = next(a for a in state["arms"] if a["name"] == "broken")
+    assert [a["rc"] != 0 for a in broken["attempts"]] == [True, True]
+    assert all(Path(a["log"]).is_file() for a in broken["attempts"])
+
+
+def tiny_tokenizer():
+    return load_tokenizer(resolve_model("tiny"))
+
+
+def tampered_copy(study, tmp_path, label: str, edit) -> dict[str, Path]:
+    evals = {name: study["out"] / "eval" / name for name in ("seed", "one-rank", "dense", "powersgd")}
+    copy = tmp_path / label
+    shutil.copytree(evals[label], copy)
+    rows = read_jsonl(copy / "cases.jsonl")
+    edit(rows)
+    (copy / "cases.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {**evals, label: copy}
+
+
+def test_validation_passes_on_the_study_and_catches_a_changed_token_id(study, tmp_path):
+    run_dir = study["out"] / "arms" / "powersgd"
+    evals = {name: study["out"] / "eval" / name for name in ("seed", "one-rank", "dense", "powersgd")}
+    assert validate(run_dir, tiny_tokenizer(), evals)["passed"]
+
+    def change_token(rows):
+        row = next(r for r in rows if r["generated_ids"])
+        row["generated_ids"][0] = (row["generated_ids"][0] + 1) % 500
+        change_token.case = row["case_id"]
+
+    evals = tampered_copy(study, tmp_path, "powersgd", change_token)
+    with pytest.raises(ValidationError, match=f"powersgd: {change_token.case}: stored token ids decode to"):
+        validate(run_dir, tiny_tokenizer(), evals)
+
+
+def test_validation_catches_a_changed_correct_flag(study, tmp_path):
+    def flip(rows):
+        rows[3]["correct"] = not rows[3]["correct"]
+        flip.case = rows[3]["case_id"]
+
+    evals = tampered_copy(study, tmp_path, "dense", flip)
+    with pytest.raises(ValidationError, match=f"dense: {flip.case}: re-scoring gives correct="):
+        validate(study["out"] / "arms" / "dense", tiny_tokenizer(), evals)
+
+
+def test_an_edited_commitment_is_refused(study, tmp_path):
+    body = json.loads((study["out"] / "commitment.json").read_text())
+    body["candidates"][0]["parameter_root"] = "0" * 64
+    (tmp_path / "c.json").write_text(json.dumps(body))
+    with pytest.raises(CommitError, match="was changed after it was written"):
+        load_commitment(tmp_path / "c.json")
+
+
+def test_scoring_an_uncommitted_model_is_refused_unless_exploratory(study, tmp_path):
+    other = resolve_model("tiny:1").path  # never trained, never committed
+    cmd = [sys.executable, "-m", "nshard.evaluate", "--run", str(study["out"] / "arms" / "dense"), "--model", other,
+           "--label", "other", "--out", str(tmp_path / "other"), "--max-new-tokens", "4"]
+    proc = subprocess.run([*cmd, "--commitment", str(study["out"] / "commitment.json")], cwd=REPO, env=run_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "is not named by commitment" in proc.stderr and "--exploratory" in proc.stderr
+    assert not (tmp_path / "other").exists()
+    proc = subprocess.run([*cmd, "--exploratory"], cwd=REPO, env=run_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "other" / "summary.json").read_text())["exploratory"] is True
+    assert all(r["exploratory"] for r in read_jsonl(tmp_path / "other" / "cases.jsonl"))
+
+
+def test_an_exploratory_study_says_so_in_every_output(study):
+    proc = run_study(study["plan"], study["out"], "--exploratory")
+    assert proc.returncode == 1
+    out = study["out"]
+    assert json.loads((out / "results.json").read_text())["exploratory"] is True
+    assert "EXPLORATORY" in (out / "report.md").read_text()
+    for label in ("seed", "one-rank", "dense", "powersgd"):
+        assert json.loads((out / "eval" / label / "summary.json").read_text())["exploratory"] is True
+        assert all(r["exploratory"] for r in read_jsonl(out / "eval" / label / "cases.jsonl"))
+        assert all(r["exploratory"] for r in read_jsonl(out / "eval" / label / "retention.jsonl"))
