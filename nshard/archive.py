@@ -61,12 +61,14 @@ def source_snapshot(repo: Path, commits: list) -> tuple[dict, dict[str, bytes]]:
         return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=text, timeout=120)
 
     recorded = sorted({c for c in commits if c})
+    if shutil.which("git") is None:
+        return {"commit": None, "chosen_from": None, "recorded_by_runs": recorded}, {}
     chosen_from = "run manifests"
     commit = recorded[0] if len(recorded) == 1 else None
     if commit is None or git("cat-file", "-e", f"{commit}^{{commit}}").returncode != 0:
         head = git("rev-parse", "--verify", "HEAD")
         if head.returncode != 0:
-            return {"commit": None, "chosen_from": None}, {}
+            return {"commit": None, "chosen_from": None, "recorded_by_runs": recorded}, {}
         commit, chosen_from = head.stdout.strip(), "HEAD"
     tar_bytes = git("archive", "--format=tar", commit, text=False).stdout
     files = {}

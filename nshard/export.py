@@ -23,10 +23,13 @@ def source_commit(repo: Path = REPO) -> dict:
     def git(*args):
         return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=60)
 
-    head = git("rev-parse", "--verify", "HEAD")
-    if head.returncode != 0:
+    try:
+        head = git("rev-parse", "--verify", "HEAD")
+        if head.returncode != 0:
+            return {"commit": None, "dirty": None}
+        status = git("status", "--porcelain", "--untracked-files=normal")
+    except (OSError, subprocess.TimeoutExpired):  # no git on this host, or a hung repository
         return {"commit": None, "dirty": None}
-    status = git("status", "--porcelain", "--untracked-files=normal")
     return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip()) if status.returncode == 0 else None}
 
 
