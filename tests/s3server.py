@@ -59,7 +59,8 @@ def s3_error(code: str, status: int) -> bytes:
 
 class FaultProxy:
     """Forwards HTTP to `upstream`; `fault(method, path)` may answer "503", "403", "reset" (RST before any reply),
-    "reset-body" (RST after half the body) or "slow:<s>" (reply after s seconds). Every request is logged."""
+    "reset-body" (RST after half the body), "slow:<s>" (reply after s seconds) or "corrupt" (flip the last byte of
+    the request body on its way). Every request is logged."""
 
     def __init__(self, upstream_port: int, fault=lambda method, path: None):
         self.fault, self.upstream_port = fault, upstream_port
@@ -85,6 +86,8 @@ class FaultProxy:
                     return self._reset()
                 if action and action.startswith("slow:"):
                     time.sleep(float(action[5:]))
+                if action == "corrupt" and body:  # the bytes change on the way: only a read-back can tell
+                    body = body[:-1] + bytes([body[-1] ^ 0x01])
                 status, headers, data = self._forward(body)
                 if action == "reset-body" and len(data) > 1:
                     self.send_response_only(status)

@@ -199,6 +199,20 @@ def test_transient_failures_are_retried(moto, tmp_path):
     assert tree(tmp_path / "dest") == tree(src)
 
 
+def test_an_upload_changed_in_transit_is_caught_by_the_read_back(moto, tmp_path):
+    target = Target("s3", tmp_path, moto)
+    src = make_tree(tmp_path / "src")
+    proxy = FaultProxy(moto.port, lambda m, p: "corrupt" if m == "PUT" and "/objects/" in p else None)
+    try:
+        pushed = store(target.via(proxy), "push", src, target.uri)
+    finally:
+        proxy.close()
+    assert pushed.returncode == 1 and pushed.stdout == "" and "read-back of s3://" in pushed.stderr, pushed.stderr
+    assert not target.raw_exists("index.json")
+    verified = store(target.env, "verify", target.uri)
+    assert verified.returncode == 1 and "no index.json" in verified.stderr
+
+
 def test_a_read_timeout_is_retried(moto, tmp_path, monkeypatch):
     from nshard.store_s3 import S3Backend
 
