@@ -16,6 +16,7 @@ import torch.distributed as dist
 from nshard import data as data_mod
 from nshard import engine as engine_mod
 from nshard.loss import deepspeed_backward_scale, pad_microbatch, weighted_nll_sum
+from nshard.export import write_manifest
 from nshard.files import file_sha256, write_json_atomic
 from nshard.plan import Plan
 from nshard.receipts import MetricsLog, Receipt, parameter_root
@@ -177,7 +178,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def export_model(run: Run, engine, tokenizer) -> str:
+def export_model(run: Run, engine, tokenizer, prepared_identity: str) -> str:
     """All ranks must agree on the parameter root before rank 0 publishes model/ (safetensors, atomically)."""
     with engine_mod.full_parameters(engine):
         root = parameter_root(engine.module.named_parameters())
@@ -189,6 +190,8 @@ def export_model(run: Run, engine, tokenizer) -> str:
             shutil.rmtree(tmp, ignore_errors=True)
             engine.module.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
+            write_manifest(tmp, parameter_root=root, plan_sha256=file_sha256(run.plan_path),
+                           ds_config_sha256=file_sha256(run.ds_config_path), prepared_identity=prepared_identity)
             tmp.replace(run.out / "model")
     return root
 
@@ -212,7 +215,7 @@ def run_training(run: Run, overwrite: bool = False) -> dict:
     seam = engine_mod.install_reducer(engine, run.ds_config.get("nshard"))
     receipt = train(run, engine, seam, prepared, schedule, tokenizer.pad_token_id)
     t0 = time.perf_counter()
-    root = export_model(run, engine, tokenizer)
+    root = export_model(run, engine, tokenizer, identity)
     active_plus_checkpoint = receipt.active_s + time.perf_counter() - t0
     extra = {"zero_stage": engine_mod.zero_stage(engine), "reducer": seam.name,
              "prepared_identity": identity, "comms_logged": engine_mod.comms_logged(),

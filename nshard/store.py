@@ -1,0 +1,337 @@
+"""Content-addressed storage of a directory: objects named by their SHA-256, in a local directory or on S3.
+
+    python -m nshard.store push SRC URI      # SRC: a directory (or one file); URI: a directory or s3://bucket/prefix
+    python -m nshard.store verify URI        # re-read every object; exit 1 naming any that does not match
+    python -m nshard.store pull URI DEST     # rebuild the tree, hashes checked as it is written
+
+Layout under URI: `objects/sha256/<2 hex>/<sha256>` for each file's bytes, and `index.json` (relative path ->
+sha256, bytes), written last, only once every object has been read back and matched. An object key is never
+given other bytes than its name says. S3 is configured only as AWS tools are (AWS_ENDPOINT_URL, AWS_PROFILE,
+the standard credential chain); nshard never takes, prints or logs credentials.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+from pathlib import Path, PurePosixPath
+from typing import Iterator, Protocol
+
+from nshard.files import file_sha256
+
+INDEX = "index.json"
+INDEX_FORMAT = "nshard-store/1"
+CHUNK = 1 << 20
+
+
+class StoreError(RuntimeError):
+    """The store or the network failed; nothing was claimed (exit 1)."""
+
+
+class BadInput(StoreError):
+    """A bad argument: missing source, malformed URI, existing destination (exit 2)."""
+
+
+def object_key(sha256: str) -> str:
+    return f"objects/sha256/{sha256[:2]}/{sha256}"
+
+
+class Backend(Protocol):
+    """Raw key/value primitives; the content-addressed rules live in put_verified / push / verify / pull."""
+    uri: str
+
+    def check(self, writing: bool) -> None: ...           # the store is reachable (and exists, unless writing)
+    def size(self, key: str) -> int | None: ...           # None when the key does not exist
+    def put(self, key: str, source: Path | bytes, sha256: str) -> None: ...
+    def read_to(self, key: str, sink: Sink) -> str: ...   # stream every byte into sink; returns their SHA-256
+    def keys(self, prefix: str) -> Iterator[str]: ...
+
+
+class Sink:
+    """Where read bytes go; reset() before a retried read starts again. This one discards them."""
+
+    def write(self, chunk: bytes) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+class MemorySink(Sink):
+    def __init__(self):
+        self.data = bytearray()
+
+    def write(self, chunk: bytes) -> None:
+        self.data += chunk
+
+    def reset(self) -> None:
+        self.data.clear()
+
+
+class FileSink(Sink):
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, chunk: bytes) -> None:
+        self.f.write(chunk)
+
+    def reset(self) -> None:
+        self.f.seek(0)
+        self.f.truncate()
+
+
+def _hash_into(chunks, sink) -> str:
+    h = hashlib.sha256()
+    for chunk in chunks:
+        h.update(chunk)
+        sink.write(chunk)
+    return h.hexdigest()
+
+
+def read_sha256(backend: Backend, key: str) -> str:
+    return backend.read_to(key, Sink())
+
+
+class LocalBackend:
+    """A directory; every write is temp file + fsync + link, so a key appears whole and is never replaced."""
+
+    def __init__(self, root: Path):
+        self.root, self.uri = Path(root), str(root)
+
+    def check(self, writing: bool) -> None:
+        if self.root.exists() and not self.root.is_dir():
+            raise BadInput(f"{self.root} is not a directory")
+        if not writing and not self.root.is_dir():
+            raise BadInput(f"{self.root}: no such store directory")
+
+    def size(self, key: str) -> int | None:
+        path = self.root / key
+        return path.stat().st_size if path.is_file() else None
+
+    def put(self, key: str, source: Path | bytes, sha256: str) -> None:
+        path = self.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".put-")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                chunks = [source] if isinstance(source, bytes) else _file_chunks(source)
+                written = _hash_into(chunks, FileSink(out))
+                out.flush()
+                os.fsync(out.fileno())
+                os.fchmod(out.fileno(), 0o644)
+            if written != sha256:
+                raise StoreError(f"{key}: source changed while it was stored (sha256 {written}, expected {sha256})")
+            try:
+                os.link(tmp, path)  # unlike rename, link refuses an existing name: no key is ever replaced
+            except FileExistsError:
+                pass  # a concurrent writer; the caller reads the key back either way
+        finally:
+            os.unlink(tmp)
+
+    def read_to(self, key: str, sink: Sink) -> str:
+        return _hash_into(_file_chunks(self.root / key), sink)
+
+    def keys(self, prefix: str) -> Iterator[str]:
+        base = self.root / prefix
+        for path in sorted(base.rglob("*")) if base.is_dir() else []:
+            if path.is_file() and not path.name.startswith(".put-"):
+                yield path.relative_to(self.root).as_posix()
+
+
+def _file_chunks(path: Path):
+    with open(path, "rb") as f:
+        yield from iter(lambda: f.read(CHUNK), b"")
+
+
+def open_backend(uri: str) -> Backend:
+    if uri.startswith("s3://"):
+        from nshard.store_s3 import S3Backend
+
+        return S3Backend(uri)
+    if "://" in uri:
+        raise BadInput(f"unsupported URI {uri!r}: use a local directory or s3://bucket/prefix")
+    return LocalBackend(Path(uri))
+
+
+def put_verified(backend: Backend, key: str, source: Path | bytes, sha256: str) -> bool:
+    """Store source under key unless it is already there; done only once a full read-back matches. True if written."""
+    if backend.size(key) is not None:
+        found = read_sha256(backend, key)
+        if found != sha256:
+            raise StoreError(f"{backend.uri}/{key} already exists with sha256 {found}, not {sha256}; "
+                             "it is never overwritten: check it and remove it by hand")
+        return False
+    backend.put(key, source, sha256)
+    found = read_sha256(backend, key)
+    if found != sha256:
+        raise StoreError(f"read-back of {backend.uri}/{key}: sha256 {found}, uploaded {sha256}")
+    return True
+
+
+def source_files(src: Path) -> dict[str, Path]:
+    """Relative POSIX path -> file, for a directory tree (or one file); links and special files are refused."""
+    if not src.exists():
+        raise BadInput(f"{src}: no such file or directory")
+    if src.is_file() and not src.is_symlink():
+        return {src.name: src}
+    files = {}
+    for path in sorted(src.rglob("*")):
+        if path.is_symlink() or not (path.is_file() or path.is_dir()):
+            raise BadInput(f"{path}: links and special files are not stored; copy the target in instead")
+        if path.is_file():
+            files[path.relative_to(src).as_posix()] = path
+    if not files:
+        raise BadInput(f"{src}: no files to push")
+    return files
+
+
+def index_bytes(entries: dict) -> bytes:
+    return (json.dumps({"format": INDEX_FORMAT, "files": entries}, indent=1, sort_keys=True) + "\n").encode()
+
+
+def push(src: Path, backend: Backend) -> dict:
+    files = source_files(Path(src))
+    backend.check(writing=True)
+    entries, written = {}, 0
+    for rel, path in files.items():
+        sha = file_sha256(path)
+        written += put_verified(backend, object_key(sha), path, sha)
+        entries[rel] = {"sha256": sha, "bytes": path.stat().st_size}
+    index = index_bytes(entries)
+    index_sha = hashlib.sha256(index).hexdigest()
+    # Last, and only after every object matched: an index in the store means the whole tree is there.
+    if backend.size(INDEX) is not None and read_sha256(backend, INDEX) != index_sha:
+        raise StoreError(f"{backend.uri} already holds another tree ({INDEX} differs); push to a new prefix")
+    written += put_verified(backend, INDEX, index, index_sha)
+    return {"uri": backend.uri, "files": len(entries), "bytes": sum(e["bytes"] for e in entries.values()),
+            "objects_written": written, "index_sha256": index_sha}
+
+
+def read_index(backend: Backend) -> dict:
+    if backend.size(INDEX) is None:
+        raise StoreError(f"{backend.uri}: no {INDEX}: nothing was pushed here, or a push did not finish")
+    buf = MemorySink()
+    backend.read_to(INDEX, buf)
+    try:
+        index = json.loads(bytes(buf.data))
+        files = index["files"]
+        assert index["format"] == INDEX_FORMAT
+        for rel, entry in files.items():
+            _check_relative(rel)
+            assert isinstance(entry["sha256"], str) and len(entry["sha256"]) == 64 and isinstance(entry["bytes"], int)
+    except (ValueError, KeyError, TypeError, AssertionError) as exc:
+        raise StoreError(f"{backend.uri}/{INDEX} is not an nshard store index ({type(exc).__name__}: {exc})") from None
+    return files
+
+
+def _check_relative(rel: str) -> None:
+    parts = PurePosixPath(rel).parts
+    if not rel or rel.startswith("/") or "\\" in rel or any(p in ("..", ".", "") for p in parts):
+        raise ValueError(f"unsafe path {rel!r} in the index")
+
+
+def verify(backend: Backend) -> list[str]:
+    """Re-read every object under objects/ and check it against its name and the index; returns the problems."""
+    backend.check(writing=False)
+    files = read_index(backend)
+    present = set(backend.keys("objects/"))
+    problems, referenced = [], {}
+    for rel, entry in sorted(files.items()):
+        referenced.setdefault(object_key(entry["sha256"]), []).append(rel)
+    for key in sorted(present | set(referenced)):
+        paths = ", ".join(referenced.get(key, [])) or "no index entry"
+        if key not in present:
+            problems.append(f"object {key} ({paths}) is missing")
+            continue
+        found, named = read_sha256(backend, key), key.rsplit("/", 1)[-1]
+        if found != named:
+            problems.append(f"object {key} ({paths}) has sha256 {found}")
+    return problems
+
+
+def pull(backend: Backend, dest: Path) -> dict:
+    dest = Path(dest)
+    if dest.exists() or dest.is_symlink():
+        raise BadInput(f"{dest} already exists; pull into a new directory")
+    backend.check(writing=False)
+    files = read_index(backend)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.pull-"))
+    try:
+        for rel, entry in sorted(files.items()):
+            target = tmp / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            key = object_key(entry["sha256"])
+            try:
+                with open(target, "wb") as out:
+                    found = backend.read_to(key, FileSink(out))
+            except (StoreError, OSError) as exc:
+                raise StoreError(f"object {key} ({rel}) could not be read: {exc}") from None
+            if found != entry["sha256"]:
+                raise StoreError(f"object {key} ({rel}) has sha256 {found}; not pulled")
+            os.chmod(target, 0o644)
+        for d in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
+            os.chmod(d, 0o755)
+        tmp.rename(dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"dest": str(dest), "files": len(files), "bytes": sum(e["bytes"] for e in files.values())}
+
+
+def backoff_s(attempt: int, base_s: float = 0.2, cap_s: float = 8.0) -> float:
+    """Exponential with jitter: half the step fixed, half random (attempt counts from 1)."""
+    step = min(cap_s, base_s * 2 ** (attempt - 1))
+    return step / 2 + random.random() * step / 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        fail(f"{message} (see python -m nshard.store --help)", 2)
+
+
+def fail(message: str, code: int):
+    print(f"nshard.store: error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def main(argv=None) -> int:
+    parser = _Parser(prog="nshard.store", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("push", help="store SRC under URI").add_argument("src")
+    sub.choices["push"].add_argument("uri")
+    sub.add_parser("verify", help="re-read every object under URI").add_argument("uri")
+    sub.add_parser("pull", help="rebuild URI's tree at DEST").add_argument("uri")
+    sub.choices["pull"].add_argument("dest")
+    args = parser.parse_args(argv)
+    try:
+        backend = open_backend(args.uri)
+        if args.command == "push":
+            print(json.dumps(push(Path(args.src), backend)), flush=True)
+        elif args.command == "pull":
+            print(json.dumps(pull(backend, Path(args.dest))), flush=True)
+        else:
+            problems = verify(backend)
+            for line in problems:
+                print(f"nshard.store: error: {line}", file=sys.stderr)
+            if problems:
+                return 1
+            print(json.dumps({"uri": backend.uri, "verified": True}), flush=True)
+    except BadInput as exc:
+        fail(str(exc), 2)
+    except (StoreError, OSError) as exc:
+        fail(str(exc), 1)
+    return 0
+
+
+if __name__ == "__main__":
+    # Run the imported module's main, not this __main__ copy: nshard.store_s3 raises nshard.store's errors.
+    from nshard.store import main as _main
+
+    sys.exit(_main())
