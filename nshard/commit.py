@@ -13,13 +13,11 @@ import argparse
 import datetime
 import hashlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+from nshard.export import ManifestError, source_commit, verify_manifest
 from nshard.files import file_sha256, write_json_atomic
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 class CommitError(RuntimeError):
@@ -37,18 +35,6 @@ def model_files(model_dir: Path) -> dict[str, str]:
     return files
 
 
-def source_state(repo: Path = REPO_ROOT) -> dict:
-    """The source commit and whether the working tree differed from it (None outside a git checkout)."""
-    def git(*args):
-        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=60)
-
-    head = git("rev-parse", "HEAD")
-    if head.returncode != 0:
-        return {"commit": None, "dirty": None}
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip())}
-
-
 def candidate_entry(name: str, run_dir: Path) -> dict:
     """What binds one trained arm: its finished run's hashes and its exported model's files."""
     run_dir = Path(run_dir)
@@ -62,6 +48,10 @@ def candidate_entry(name: str, run_dir: Path) -> dict:
     roots = {json.loads(p.read_text())["parameter_root"] for p in sorted((run_dir / "receipts").glob("rank-*.json"))}
     if roots != {run["parameter_root"]}:
         raise CommitError(f"candidate {name}: the receipts' parameter roots {sorted(roots)} differ from run.json's")
+    try:  # the export must still be what the trainer sealed
+        verify_manifest(run_dir / "model")
+    except ManifestError as exc:
+        raise CommitError(f"candidate {name}: {run_dir / 'model'} does not match its manifest: {exc}") from None
     return {"name": name, "run_dir": str(run_dir), "model_dir": str(run_dir / "model"),
             "files": model_files(run_dir / "model"), "parameter_root": run["parameter_root"],
             "plan_sha256": run["plan_sha256"], "ds_config_sha256": run["ds_config_sha256"],
@@ -84,7 +74,7 @@ def build_commitment(seed_dir: Path, arms: dict[str, Path]) -> dict:
                           "a study compares arms of one plan")
     body = {"kind": "nshard-commitment", "version": 1,
             "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "source": source_state(), "prepared_identity": identities.pop(),
+            "source": source_commit(), "prepared_identity": identities.pop(),
             "seed": {"name": "seed", "model_dir": str(seed_dir), "files": model_files(seed_dir)},
             "candidates": candidates}
     body["record_sha256"] = record_sha256(body)

@@ -52,6 +52,9 @@ def launch_command(arm: ArmSpec, plan: Plan, plan_path: Path, ds_config: Path, r
         where = ["--num_gpus", str(arm.ranks)]
     else:
         hosts = parse_hostfile(plan.study.hostfile)
+        if sum(hosts.values()) != arm.ranks:
+            raise StudyError(f"study.hostfile {plan.study.hostfile} has {sum(hosts.values())} slots but arm "
+                             f"{arm.name} asks for ranks={arm.ranks}; make them agree")
         where = ["--hostfile", plan.study.hostfile]
         if list(hosts) == ["localhost"]:  # DeepSpeed's plain form would ssh to localhost
             where += ["--no_ssh_check", "--master_addr", "127.0.0.1"]
