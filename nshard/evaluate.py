@@ -113,14 +113,15 @@ def generate_answers(model, tokenizer, inputs: list[list[int]], max_new_tokens: 
     return answers
 
 
-def retention_losses(model, retention: list[dict]) -> list[dict]:
+def retention_losses(model, retention: list[dict], desc: str = "retention") -> list[dict]:
     """Summed weighted NLL of each retention document's target tokens (its own weights, as in training)."""
     import torch
+    from tqdm import tqdm
 
     from nshard.loss import weighted_nll_sum
 
     out = []
-    for doc in retention:
+    for doc in tqdm(retention, desc=desc, unit="doc"):
         ids = torch.tensor([doc["input_ids"]], device=model.device)
         weights = torch.tensor([doc["weights"]], dtype=torch.float32, device=model.device)
         with torch.no_grad():
@@ -187,7 +188,7 @@ def score_model(label: str, model_dir: Path, run_dir: Path, out: Path, *, commit
                           "expected": tasks.answer(case), "correct": tasks.score(case, text),
                           "exploratory": exploratory})
     t1 = time.perf_counter()
-    retention = retention_losses(model, sets.retention)
+    retention = retention_losses(model, sets.retention, desc=f"{label}: retention")
     for row in retention:
         if seed_by_doc is not None:
             seed = seed_by_doc[row["doc_id"]]
