@@ -179,19 +179,27 @@ def analyze(study_dir: Path) -> dict:
             continue
         cand = {r["case_id"]: r["correct"] for r in case_rows[candidate["name"]]}
         ctrl = {r["case_id"]: r["correct"] for r in case_rows[arm["name"]]}
-        comparisons.append({"candidate": candidate["name"], "control": arm["name"], **paired_bounds(cand, ctrl, conf)})
+        comparisons.append({"candidate": candidate["name"], "control": arm["name"],
+                            "candidate_parameter_root": candidate["parameter_root"],
+                            "control_parameter_root": arm["parameter_root"], **paired_bounds(cand, ctrl, conf)})
     identities = {a["prepared_identity"] for a in arms if a["status"] == "complete"}
+    commitment_sha = commitment["record_sha256"] if commitment else None
+    identity = identities.pop() if len(identities) == 1 else sorted(identities)
+    # Every decision names what it was computed from.
+    evidence = {"commitment_sha256": commitment_sha, "prepared_identity": identity,
+                "parameter_roots": {a["name"]: a["parameter_root"] for a in arms}, "exploratory": exploratory}
+    quality = quality_screen(candidate, seed, comparisons, failed_controls, screens)
+    speed = speed_screen(arms, study["candidate"], study["speed_baseline"], screens)
     return {
         "exploratory": exploratory,
-        "commitment_sha256": commitment["record_sha256"] if commitment else None,
+        "commitment_sha256": commitment_sha,
         "source": commitment["source"] if commitment else None,
-        "prepared_identity": identities.pop() if len(identities) == 1 else sorted(identities),
+        "prepared_identity": identity,
         "plan_sha256": study["plan_sha256"], "candidate": study["candidate"],
         "speed_baseline": study["speed_baseline"], "screens_declared": screens,
         "validation": study.get("validation"),
         "seed": seed, "arms": arms, "comparisons": comparisons,
-        "screens": {"quality": quality_screen(candidate, seed, comparisons, failed_controls, screens),
-                    "speed": speed_screen(arms, study["candidate"], study["speed_baseline"], screens)},
+        "screens": {"quality": {**quality, "evidence": evidence}, "speed": {**speed, "evidence": evidence}},
     }
 
 
