@@ -68,7 +68,12 @@ class LinkCount:
         expected = logged_bytes * 2 * (world_size - 1) / world_size
         ratio = kernel / expected if kernel is not None and expected > 0 else None
         ledger_ok = None if ledger_bytes is None else ledger_bytes == logged["logged_reducer_bytes"]
-        agree = None if ratio is None else abs(ratio - 1) <= TOLERANCE and ledger_ok is not False
+        if ledger_ok is False:
+            agree = False
+        elif ratio is None:  # no link interface (one machine), or nothing sent
+            agree = None
+        else:
+            agree = abs(ratio - 1) <= TOLERANCE
         link = {"interface": self.interface, "kernel_tx_bytes": kernel, "logged_collective_bytes": logged_bytes,
                 "logged_reducer_bytes": logged["logged_reducer_bytes"], "ledger_bytes": ledger_bytes,
                 "expected_wire_bytes": round(expected), "kernel_over_expected": ratio,
