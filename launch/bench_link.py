@@ -4,6 +4,7 @@
 
 Arms, on the real DeepSpeed engine (stage 0, fp32, torch AdamW), 1 x --tokens tokens per rank:
   one     one rank computes and steps, no communication (the other waits): the compute bound
+  local   both ranks compute and step at once, no communication (a diagnostic: shared cores)
   dense   nshard's dense reducer: one flat fp32 all-reduce (the bytes of DeepSpeed's own stage-0 one)
   nshard  nshard's PowerSGD reducer at --rank, no dense warm-up
   hook    PyTorch's powerSGD_hook under DDP at the same rank. As shipped it aborts on gloo (its
@@ -29,6 +30,7 @@ import math
 import os
 import platform
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -41,7 +43,9 @@ sys.path.insert(0, str(REPO / "launch"))
 HOSTS_SH = REPO / "launch" / "hosts.sh"
 HOSTS_TSV = REPO / "runs" / "hosts" / "hosts.tsv"
 ARM_NOTES = {
-    "one": "one rank computes and steps, no communication: the compute bound",
+    "one": "one rank computes and steps, no communication (the other waits): the compute bound",
+    "local": "both ranks compute and step at once, no communication: the compute bound when the two "
+             "hosts share this machine's cores (a diagnostic; the limit uses 'one')",
     "dense": "nshard's dense reducer: one flat fp32 all-reduce",
     "nshard": "nshard's PowerSGD reducer, no dense warm-up",
     "hook": "torch's powerSGD_hook under DDP, each bucket's future waited on before the hook returns "
@@ -111,7 +115,28 @@ def waited_powerSGD_hook(state, bucket):
     return future
 
 
-def build_arms(model, rank: int, tokens: int):
+class Stopwatch:
+    """Seconds spent inside wrapped calls since the last read: the reduction within an update."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def wrap(self, fn):
+        @functools.wraps(fn)  # DDP checks a comm hook's signature
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return timed
+
+    def read(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def build_arms(model, rank: int, tokens: int, watch: Stopwatch):
     """{arm: one update} on one engine: nshard's reducers through their seams, the hook through DDP."""
     import torch
     import torch.distributed as dist
@@ -126,11 +151,14 @@ def build_arms(model, rank: int, tokens: int):
              "nshard": engine_mod.install_reducer(engine, {"reducer": "powersgd", "rank": rank,
                                                            "dense_warmup_updates": 0}),
              # install_reducer switched DeepSpeed's own all-reduce off: this seam computes and steps only
-             "one": DeepSpeedReduction()}
+             "one": DeepSpeedReduction(), "local": DeepSpeedReduction()}
+    for arm in ("dense", "nshard"):
+        seams[arm].reducer.reduce = watch.wrap(seams[arm].reducer.reduce)
     ddp = DistributedDataParallel(engine.module, forward_sync_buffers=False)
+    # Its first 2 updates are plain all-reduces (the least it allows): DDP rebuilds its buckets after
+    # the first, and the hook keys its error buffers by bucket index. The warm-up rounds run them.
     state = PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=2)
-    state.iter = state.start_powerSGD_iter  # skip its dense warm-up, as the nshard arm does
-    ddp.register_comm_hook(state, waited_powerSGD_hook)
+    ddp.register_comm_hook(state, watch.wrap(waited_powerSGD_hook))
     vocab, me = model.config.vocab_size, dist.get_rank()
     generator = torch.Generator().manual_seed(1000 + me)
 
@@ -151,17 +179,19 @@ def build_arms(model, rank: int, tokens: int):
         updates["one"] = lambda: None  # one rank computes; this one only meets it at the barriers
     updates["hook"] = hook_update
     ledgers = {arm: seams[arm].last_update_bytes for arm in ("dense", "nshard")}
-    return updates, ledgers
+    return updates, ledgers, state
 
 
 def measure(update, ledger, counters) -> dict:
-    """One update between barriers: this rank's seconds, and the bytes three ways (plus dist.all_reduce's count)."""
+    """One update between barriers: this rank's seconds (and those inside the reduction), and the bytes
+    three ways (plus what dist.all_reduce was handed)."""
     import torch.distributed as dist
 
     from nshard.netcount import tx_bytes
 
-    logged, counted = counters
+    logged, counted, watch = counters
     logged.take()
+    watch.read()
     counted_before = counted.bytes
     dist.barrier()
     tx_start, start = tx_bytes("eth0"), time.perf_counter()
@@ -169,13 +199,17 @@ def measure(update, ledger, counters) -> dict:
     seconds = time.perf_counter() - start
     dist.barrier()  # the peer has received everything this rank sent
     tx_end = tx_bytes("eth0")
-    return {"seconds": seconds, "kernel_tx_bytes": tx_end - tx_start, "comms_logger_bytes": sum(logged.take().values()),
-            "ledger_bytes": ledger() if ledger else None, "all_reduce_bytes": counted.bytes - counted_before}
+    return {"seconds": seconds, "reduce_s": watch.read(), "kernel_tx_bytes": tx_end - tx_start,
+            "comms_logger_bytes": sum(logged.take().values()), "ledger_bytes": ledger() if ledger else None,
+            "all_reduce_bytes": counted.bytes - counted_before}
 
 
 def worker(args) -> None:
     from nshard.launch_env import prepare_process_env
 
+    # Each worker holds ~8 copies of the gradient size (parameters, gradients, AdamW, both error
+    # buffers, DDP's buckets): on a shared machine the OOM killer is to take the benchmark, not others' work.
+    Path("/proc/self/oom_score_adj").write_text("1000")
     prepare_process_env()
     import torch.distributed as dist
 
@@ -186,11 +220,14 @@ def worker(args) -> None:
     dist.all_reduce = CountingAllReduce()  # what every arm hands to torch.distributed, the hook's included
     model = build_model(args.worker, args.layers)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    updates, ledgers = build_arms(model, args.rank, args.tokens)
-    counters = (engine_mod.CollectiveCounter(), dist.all_reduce)
+    watch = Stopwatch()
+    updates, ledgers, hook_state = build_arms(model, args.rank, args.tokens, watch)
+    counters = (engine_mod.CollectiveCounter(), dist.all_reduce, watch)
     me, samples = dist.get_rank(), []
-    for arm in ARMS:  # unshaped warm-up: allocations, the first Q draws, DDP's buckets
-        measure(updates[arm], ledgers.get(arm), counters)
+    for _ in range(hook_state.start_powerSGD_iter):  # unshaped warm-up: allocations, first Q draws, DDP's buckets
+        for arm in ARMS:
+            measure(updates[arm], ledgers.get(arm), counters)
+    assert hook_state.iter >= hook_state.start_powerSGD_iter, "the hook would still be in its dense warm-up"
     for rate in args.rates.split(","):
         if me == 0:
             subprocess.run(["bash", str(HOSTS_SH), "rate", rate], check=True)
@@ -199,13 +236,17 @@ def worker(args) -> None:
             for arm in ARMS[round_ % len(ARMS):] + ARMS[: round_ % len(ARMS)]:
                 samples.append({"rate": rate, "arm": arm, "round": round_,
                                 **measure(updates[arm], ledgers.get(arm), counters)})
+                if me == 0:
+                    print(f"{args.worker} {rate} round {round_} {arm}: {samples[-1]}", flush=True)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, samples)
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if me == 0:
         subprocess.run(["bash", str(HOSTS_SH), "rate", "none"], check=True)
         count, low_rank, remainder = floor_bytes(shapes, args.rank, min_compression_rate=2)
         raw = {"params": sum(math.prod(s) for s in shapes.values()), "compressed_matrices": count,
-               "floor_bytes": low_rank + remainder, "samples_by_rank": every}
+               "floor_bytes": low_rank + remainder, "peak_rss_bytes_by_rank": peaks, "samples_by_rank": every}
         Path(args.out, f"{args.worker}.raw.json").write_text(json.dumps(raw))
     dist.barrier()
     dist.destroy_process_group()
@@ -257,6 +298,7 @@ def summarize(raw: dict, rates: list[str]) -> dict:
             med = lambda key, r=rows[0]: (statistics.median(s[key] for s in r)  # noqa: E731
                                           if r and r[0][key] is not None else None)
             arms[arm] = {"median_update_s": statistics.median(seconds), "update_s": seconds,
+                         "median_reduce_s_rank0": med("reduce_s"),
                          "bytes_per_update": {"ledger": med("ledger_bytes"), "comms_logger": med("comms_logger_bytes"),
                                               "at_dist_all_reduce": med("all_reduce_bytes"),
                                               "kernel_tx_by_rank": [statistics.median(s["kernel_tx_bytes"] for s in r)
@@ -268,7 +310,9 @@ def summarize(raw: dict, rates: list[str]) -> dict:
 def ratios(arms: dict, floor: int, rate: str) -> dict:
     t = {arm: arms[arm]["median_update_s"] for arm in ARMS}
     limit = max(t["one"], floor * 8 / rate_bits(rate))
+    local_limit = max(t["local"], floor * 8 / rate_bits(rate))
     r = {"dense_over_nshard": t["dense"] / t["nshard"], "nshard_over_limit": t["nshard"] / limit,
+         "nshard_over_limit_with_local_compute": t["nshard"] / local_limit,
          "hook_over_nshard": t["hook"] / t["nshard"], "hook_over_limit": t["hook"] / limit,
          "dense_over_hook": t["dense"] / t["hook"]}
     targets = {"nshard_3x_faster_than_dense": r["dense_over_nshard"] >= 3,
@@ -300,10 +344,10 @@ def plot(report: dict, path: Path) -> None:
 
 
 def print_table(report: dict) -> None:
-    print("| model | rate | one s | dense s | nshard s | hook s | limit s | dense/nshard | nshard/limit | "
+    print("| model | rate | " + " | ".join(f"{arm} s" for arm in ARMS) + " | limit s | dense/nshard | nshard/limit | "
           "hook/nshard | B/update dense (ledger, logger, kernel r0/r1) | B/update nshard (ledger, logger, kernel r0/r1) "
-          "| B/update hook (all_reduce, kernel r0/r1) |")
-    print("|" + "---|" * 13)
+          "| B/update hook (at dist.all_reduce, kernel r0/r1) |")
+    print("|" + "---|" * (len(ARMS) + 9))
     for name, model in report["models"].items():
         for rate, row in model["rates"].items():
             a, r = row["arms"], row["ratios"]
@@ -340,8 +384,10 @@ def main() -> None:
             raw = run_model(name, args, out)
             report["models"][name] = {"params": raw["params"], "dense_bytes": 4 * raw["params"],
                                       "floor_bytes": raw["floor_bytes"], "compressed_matrices": raw["compressed_matrices"],
+                                      "peak_rss_bytes_by_rank": raw["peak_rss_bytes_by_rank"],
                                       "rates": summarize(raw, rates)}
             report["load"][f"uptime_after_{name}"] = uptime()
+            (out / "bench_link.json").write_text(json.dumps(report, indent=1))  # what a later failure leaves
     finally:
         subprocess.run(["bash", str(HOSTS_SH), "down"], check=False)
     report["wall_s"] = time.perf_counter() - started
