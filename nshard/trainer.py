@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from nshard import data as data_mod
 from nshard import engine as engine_mod
+from nshard import netcount
 from nshard.loss import deepspeed_backward_scale, pad_microbatch, weighted_nll_sum
 from nshard.export import write_manifest
 from nshard.files import file_sha256, write_json_atomic
@@ -152,6 +153,7 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int) -> Receipt:
     counter.take()
     log = MetricsLog(run.out / "metrics.jsonl" if run.is_main else None)
     engine.train()
+    link = netcount.LinkCount(engine_mod.CollectiveCounter())  # kernel vs collective bytes over the loop
     start = time.perf_counter()
     for update, batch in enumerate(tqdm(schedule, desc="updates", disable=not run.is_main)):
         t0 = time.perf_counter()
@@ -169,6 +171,8 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int) -> Receipt:
                    "grad_bytes": grad_bytes, "deepspeed_grad_bytes": counts["deepspeed_grad_bytes"],
                    "reducer_bytes": reducer_bytes, "logged_reducer_bytes": counts["logged_reducer_bytes"]})
     receipt.active_s = time.perf_counter() - start
+    ledger = seam.reducer.ledger if hasattr(seam, "reducer") else None  # none under DeepSpeed's own reduction
+    receipt.where_and_link = link.finish(run.rank, run.world, ledger.total_bytes() if ledger else None)
     log.close()
     return receipt
 

@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# Two emulated hosts on this machine, for DeepSpeed's plain multi-node launch (pdsh over ssh).
+#   launch/hosts.sh up [RATE]   # RATE as tc writes it (100mbit, 1gbit); default: no limit. Prints the hostfile.
+#   launch/hosts.sh rate RATE   # change the limit of a running pair ("none" removes it)
+#   launch/hosts.sh down        # remove everything `up` made, also after a crashed `up`
+# Root only. Each host is a network namespace whose eth0 (198.51.100.1 and .2, documentation range)
+# is one end of a veth; the other ends sit on a bridge in the root namespace (198.51.100.254), so
+# the launcher here can ssh to both. Each namespace runs its own sshd on its address, accepting only
+# a key made here. The ssh config is reached through an Include line at the top of ~/.ssh/config.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+state=$repo/runs/hosts
+hosts=(1 2)
+net=198.51.100
+bridge=nshard-br
+ns() { echo "nshard-h$1"; }
+veth() { echo "nshard-v$1"; }  # the root-namespace end; the namespace's end is eth0
+include="Include $state/ssh_config"
+user_config=$HOME/.ssh/config
+
+die() { echo "hosts.sh: $*" >&2; exit 2; }
+
+shape() {  # shape NS RATE: tbf on the namespace's eth0 (its transmit side); RATE "none" removes it
+  local target=$1 rate=$2
+  ip netns exec "$target" tc qdisc del dev eth0 root 2>/dev/null || true
+  [ "$rate" = none ] && return 0
+  # A bucket of 64 KiB or 2 ms of the rate, whichever is larger: the 64 KiB measured 102.9 Mbit/s at
+  # 100mbit (FACTS.md); faster rates need a deeper bucket to reach their rate.
+  local burst
+  burst=$(awk -v r="$rate" 'BEGIN { n = r + 0; u = substr(r, length(n "") + 1);
+    m = (u ~ /^g/) ? 1e9 : (u ~ /^m/) ? 1e6 : (u ~ /^k/) ? 1e3 : 1; if (u ~ /bps$/) m *= 8;
+    b = n * m / 8 * 0.002; if (b < 65536) b = 65536; printf "%d", b }')
+  ip netns exec "$target" tc qdisc add dev eth0 root tbf rate "$rate" burst "$burst" latency 50ms
+}
+
+check_rate() {
+  [[ $1 =~ ^[0-9]+(\.[0-9]+)?([kmgt]?bit|[kmgt]?bps)$ ]] || die "rate '$1' is not a tc rate: use e.g. 100mbit or 1gbit"
+}
+
+up() {
+  local rate=${1:-none}
+  [ "$rate" = none ] || check_rate "$rate"
+  command -v pdsh >/dev/null && [ -x /usr/sbin/sshd ] \
+    || die "needs Debian's pdsh and openssh-server: run launch/setup.sh as root (or apt-get install pdsh openssh-server)"
+  if leftovers; then die "an earlier pair is still (partly) up: run launch/hosts.sh down first"; fi
+  trap failed_up EXIT
+  trap 'exit 130' INT TERM
+  mkdir -p "$state" && chmod 700 "$state"
+  ssh-keygen -q -t ed25519 -N '' -C nshard-hosts-client -f "$state/id_ed25519"
+  ssh-keygen -q -t ed25519 -N '' -C nshard-hosts-host -f "$state/host_key"
+  cp "$state/id_ed25519.pub" "$state/authorized_keys"
+  ip link add "$bridge" type bridge
+  echo 1 > "/proc/sys/net/ipv6/conf/$bridge/disable_ipv6"  # no router solicitations in the counters
+  ip addr add "$net.254/24" dev "$bridge"
+  ip link set "$bridge" up
+  mkdir -p /run/sshd  # sshd's privilege-separation directory
+  for i in "${hosts[@]}"; do
+    ip netns add "$(ns "$i")"
+    ip link add "$(veth "$i")" type veth peer name eth0 netns "$(ns "$i")"
+    ip link set "$(veth "$i")" master "$bridge" up
+    ip netns exec "$(ns "$i")" sysctl -qw net.ipv6.conf.all.disable_ipv6=1
+    ip -n "$(ns "$i")" addr add "$net.$i/24" dev eth0
+    ip -n "$(ns "$i")" link set lo up
+    ip -n "$(ns "$i")" link set eth0 up
+    shape "$(ns "$i")" "$rate"
+    start_sshd "$i"
+  done
+  write_configs
+  for i in "${hosts[@]}"; do wait_for_ssh "$net.$i"; done
+  trap - EXIT INT TERM
+  echo "$state/hostfile"
+}
+
+failed_up() {  # whatever stopped `up` (an error, Ctrl-C), nothing it made stays behind
+  echo "hosts.sh: up failed (status $?); tearing down" >&2
+  (down) >/dev/null 2>&1 || echo "hosts.sh: teardown incomplete; run launch/hosts.sh down" >&2
+}
+
+start_sshd() {  # one sshd per namespace, on its address only, accepting only our key
+  local i=$1
+  # SetEnv is what differs on these hosts from the launcher's: gloo must use eth0 (the hostname
+  # resolves to loopback), one OpenMP thread (two "hosts" share two cores), the venv's tools on PATH.
+  # AcceptEnv takes the launcher's NSHARD_* variables (the ssh config sends them).
+  ip netns exec "$(ns "$i")" /usr/sbin/sshd -f /dev/null \
+    -o ListenAddress="$net.$i" -o Port=22 -o HostKey="$state/host_key" -o PidFile="$state/sshd-$i.pid" \
+    -o AuthorizedKeysFile="$state/authorized_keys" -o PermitRootLogin=prohibit-password \
+    -o PasswordAuthentication=no -o KbdInteractiveAuthentication=no -o StrictModes=no -o UsePAM=no \
+    -o AcceptEnv='NSHARD_*' \
+    -o SetEnv="GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 PATH=$repo/.venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+}
+
+write_configs() {
+  : > "$state/known_hosts"
+  {
+    for i in "${hosts[@]}"; do
+      printf 'Host %s\n  User root\n  IdentityFile %s\n  IdentitiesOnly yes\n  UserKnownHostsFile %s\n' \
+        "$net.$i" "$state/id_ed25519" "$state/known_hosts"
+      printf '  StrictHostKeyChecking accept-new\n  SendEnv NSHARD_*\n  LogLevel ERROR\n'
+    done
+  } > "$state/ssh_config"
+  for i in "${hosts[@]}"; do echo "$net.$i slots=1"; done > "$state/hostfile"
+  for i in "${hosts[@]}"; do printf '%s\t%s\t%s\n' "$(ns "$i")" "$net.$i" "$(veth "$i")"; done > "$state/hosts.tsv"
+  # DeepSpeed runs plain `ssh HOST ...`, so only the user's own config can name key and known-hosts.
+  # The Include goes first: below a Host block it would apply to that block only.
+  [ -d "$HOME/.ssh" ] || { mkdir -m 700 "$HOME/.ssh"; touch "$state/created-ssh-dir"; }
+  [ -f "$user_config" ] || { : > "$user_config"; chmod 600 "$user_config"; touch "$state/created-ssh-config"; }
+  { echo "$include"; cat "$user_config"; } > "$user_config.nshard-tmp"
+  cat "$user_config.nshard-tmp" > "$user_config" && rm "$user_config.nshard-tmp"
+}
+
+wait_for_ssh() {
+  local host=$1 tries=50
+  until ssh -o BatchMode=yes -o ConnectTimeout=2 "$host" true 2>/dev/null; do
+    tries=$((tries - 1))
+    [ "$tries" -gt 0 ] || { ssh -o BatchMode=yes -o ConnectTimeout=2 "$host" true || true; die "no ssh to $host"; }
+    sleep 0.2
+  done
+}
+
+leftovers() {  # true when anything `up` makes is still there
+  local i
+  for i in "${hosts[@]}"; do
+    [ -e "/run/netns/$(ns "$i")" ] && return 0
+    ip link show "$(veth "$i")" >/dev/null 2>&1 && return 0
+  done
+  ip link show "$bridge" >/dev/null 2>&1 && return 0
+  [ -f "$user_config" ] && grep -qxF "$include" "$user_config" && return 0
+  [ -e "$state" ]
+}
+
+down() {
+  local i pids
+  for i in "${hosts[@]}"; do
+    if [ -e "/run/netns/$(ns "$i")" ]; then
+      # Everything in the namespace was started through it (sshd, its sessions, ranks): stop it, or
+      # the namespace and its veth outlive `ip netns del`.
+      pids=$(ip netns pids "$(ns "$i")" || true)
+      [ -z "$pids" ] || kill $pids 2>/dev/null || true
+      for _ in $(seq 50); do [ -n "$(ip netns pids "$(ns "$i")" 2>/dev/null)" ] || break; sleep 0.1; done
+      pids=$(ip netns pids "$(ns "$i")" || true)
+      [ -z "$pids" ] || kill -9 $pids 2>/dev/null || true
+      ip netns del "$(ns "$i")"
+    fi
+    ip link del "$(veth "$i")" 2>/dev/null || true
+  done
+  ip link del "$bridge" 2>/dev/null || true
+  if [ -f "$user_config" ]; then
+    grep -vxF "$include" "$user_config" > "$user_config.nshard-tmp" || true
+    cat "$user_config.nshard-tmp" > "$user_config" && rm "$user_config.nshard-tmp"
+    if [ -f "$state/created-ssh-config" ] && [ ! -s "$user_config" ]; then rm "$user_config"; fi
+  fi
+  if [ -f "$state/created-ssh-dir" ]; then rmdir "$HOME/.ssh" 2>/dev/null || true; fi
+  rm -rf "$state"
+  for _ in $(seq 50); do leftovers || return 0; sleep 0.1; done
+  die "could not remove everything (see: ip netns list; ip link show $bridge)"
+}
+
+[ "$(id -u)" = 0 ] || die "needs root (network namespaces, veth, tc, sshd)"
+mkdir -p /run/lock
+exec 9> /run/lock/nshard-hosts.lock
+flock -w 120 9 || die "another launch/hosts.sh is running"
+case "${1:-}" in
+  up) up "${2:-}" ;;
+  down) down ;;
+  rate)
+    [ -n "${2:-}" ] || die "usage: launch/hosts.sh rate RATE|none"
+    [ "$2" = none ] || check_rate "$2"
+    for i in "${hosts[@]}"; do
+      [ -e "/run/netns/$(ns "$i")" ] || die "the hosts are not up: run launch/hosts.sh up first"
+      shape "$(ns "$i")" "$2"
+    done ;;
+  *) die "usage: launch/hosts.sh up [RATE] | rate RATE|none | down" ;;
+esac

@@ -1,0 +1,86 @@
+"""Where a rank ran and what crossed its link: the kernel's transmit counter of the interface gloo
+uses, set beside the bytes the rank handed to collectives (DeepSpeed's comms logger, the reducer's ledger)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import psutil
+
+TOLERANCE = 0.05
+"""Protocol overhead allowed between the kernel's count and the collectives' payload: TCP/IP framing
+and acknowledgements measured 0.1-5% of the payload on the emulated link (FACTS.md)."""
+
+
+def link_interface() -> str | None:
+    """The interface gloo was told to use (GLOO_SOCKET_IFNAME, its first name if a list); None when unset,
+    as on one machine, where the traffic goes through loopback or shared memory."""
+    return os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0] or None
+
+
+def tx_bytes(interface: str | None) -> int | None:
+    """Bytes the kernel has transmitted on `interface`; None when there is no such interface.
+
+    Read from /proc/net/dev, which always shows the reading process's own network namespace
+    (/sys/class/net shows whichever namespace sysfs was mounted in), same counter as
+    /sys/class/net/IF/statistics/tx_bytes."""
+    if interface is None:
+        return None
+    try:
+        lines = Path("/proc/net/dev").read_text().splitlines()[2:]
+    except OSError:
+        return None
+    for line in lines:
+        name, _, fields = line.partition(":")
+        if name.strip() == interface:
+            return int(fields.split()[8])  # 8 receive fields come first
+    return None
+
+
+def where() -> dict:
+    """`host`: this rank's IPv4 address on the link interface, else the machine's name;
+    `net_namespace`: the kernel's name for the network namespace the rank ran in."""
+    interface = link_interface()
+    addresses = psutil.net_if_addrs().get(interface, []) if interface else []
+    ipv4 = [a.address for a in addresses if a.family == socket.AF_INET]
+    return {"host": ipv4[0] if ipv4 else socket.gethostname(), "net_namespace": os.readlink("/proc/self/ns/net")}
+
+
+class LinkCount:
+    """Started before the training loop, finished after it: the kernel's bytes against the collectives' bytes
+    over the same span. `collectives` is an nshard.engine.CollectiveCounter (comms-logger bytes since its last take)."""
+
+    def __init__(self, collectives):
+        self.interface = link_interface()
+        self.collectives = collectives
+        collectives.take()
+        self.tx_start = tx_bytes(self.interface)
+
+    def finish(self, rank: int, world_size: int, ledger_bytes: int | None) -> dict:
+        tx_end = tx_bytes(self.interface)
+        logged = self.collectives.take()
+        kernel = None if tx_end is None or self.tx_start is None else tx_end - self.tx_start
+        logged_bytes = sum(logged.values())
+        # A ring all-reduce (gloo's) sends 2(W-1)/W of the tensor from each rank: for two ranks, the tensor once.
+        expected = logged_bytes * 2 * (world_size - 1) / world_size
+        ratio = kernel / expected if kernel is not None and expected > 0 else None
+        ledger_ok = None if ledger_bytes is None else ledger_bytes == logged["logged_reducer_bytes"]
+        if ledger_ok is False:
+            agree = False
+        elif ratio is None:  # no link interface (one machine), or nothing sent
+            agree = None
+        else:
+            agree = abs(ratio - 1) <= TOLERANCE
+        link = {"interface": self.interface, "kernel_tx_bytes": kernel, "logged_collective_bytes": logged_bytes,
+                "logged_reducer_bytes": logged["logged_reducer_bytes"], "ledger_bytes": ledger_bytes,
+                "expected_wire_bytes": round(expected), "kernel_over_expected": ratio,
+                "ledger_matches_logger": ledger_ok, "tolerance": TOLERANCE, "agree": agree}
+        if agree is False:
+            print(f"nshard: warning (rank {rank}): byte counts disagree beyond {TOLERANCE:.0%} protocol overhead: "
+                  f"kernel sent {kernel} B on {self.interface}, collectives {logged_bytes} B (expected on the wire "
+                  f"{round(expected)} B), reducer ledger {ledger_bytes} B vs logged {logged['logged_reducer_bytes']} B",
+                  file=sys.stderr, flush=True)
+        return {**where(), "link": link}

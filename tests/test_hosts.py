@@ -1,0 +1,163 @@
+"""Two emulated hosts (launch/hosts.sh): DeepSpeed's plain multi-node command over ssh, one rank per
+network namespace, the kernel's byte counters against the reducer's ledger, and nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from runs import DEEPSPEED, REPO, receipts, run_env, tiny_config
+from spawn import free_port
+
+HOSTS_SH = REPO / "launch" / "hosts.sh"
+NAMESPACES = {"198.51.100.1": "nshard-h1", "198.51.100.2": "nshard-h2"}
+LINKS = ("nshard-h1", "nshard-h2", "nshard-v1", "nshard-v2", "nshard-br")
+USER_SSH_CONFIG = Path.home() / ".ssh" / "config"
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces, veth and sshd need root")
+
+
+def hosts_sh(*args, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(HOSTS_SH), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def in_namespace(ns: str, *cmd) -> str:
+    return subprocess.run(["ip", "netns", "exec", ns, *cmd], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def what_is_left() -> list[str]:
+    """Every namespace, link, sshd, ssh-config line or state file that hosts.sh makes and that still exists."""
+    left = [f"netns {n}" for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+            if n.startswith("nshard-")]
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    left += [f"link {name}" for name in LINKS if f" {name}:" in links or f" {name}@" in links]
+    state = str(REPO / "runs" / "hosts")
+    for proc in psutil.process_iter(["name", "cmdline", "status"]):
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and any(state in a for a in proc.info["cmdline"] or ()):
+            left.append(f"process {proc.pid} {proc.info['name']}")
+    if USER_SSH_CONFIG.exists() and state in USER_SSH_CONFIG.read_text():
+        left.append(f"Include line in {USER_SSH_CONFIG}")
+    if Path(state).exists():
+        left.append(state)
+    return left
+
+
+def assert_nothing_left():
+    for _ in range(50):  # an sshd that was just killed keeps its veth for a moment
+        left = what_is_left()
+        if not left:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"left behind: {left}")
+
+
+@pytest.fixture
+def user_ssh_config():
+    """~/.ssh/config must read the same after down as before up, whatever it held."""
+    before = USER_SSH_CONFIG.read_text() if USER_SSH_CONFIG.exists() else None
+    yield
+    after = USER_SSH_CONFIG.read_text() if USER_SSH_CONFIG.exists() else None
+    assert after == before
+
+
+@pytest.fixture
+def hosts(user_ssh_config):
+    assert not what_is_left(), "another emulated pair is up (the addresses are fixed): run launch/hosts.sh down"
+    up = hosts_sh("up")
+    try:
+        assert up.returncode == 0, up.stderr
+        yield Path(up.stdout.strip().splitlines()[-1])
+    finally:
+        down = hosts_sh("down")
+        assert down.returncode == 0, down.stderr
+        assert_nothing_left()
+
+
+def tx_bytes(ns: str) -> int:
+    return int(in_namespace(ns, "cat", "/sys/class/net/eth0/statistics/tx_bytes"))
+
+
+@pytest.mark.slow
+def test_plain_deepspeed_command_runs_one_rank_per_host(hosts, tmp_path):
+    assert hosts.read_text().split("\n")[:2] == ["198.51.100.1 slots=1", "198.51.100.2 slots=1"]
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps(tiny_config(nshard={"reducer": "powersgd", "rank": 4, "dense_warmup_updates": 1})))
+    out = tmp_path / "run"
+    outside_before = {ns: tx_bytes(ns) for ns in NAMESPACES.values()}
+    # The plain form: no --no_ssh_check, no --master_addr; pdsh ssh-es to each host from the repo root.
+    cmd = [DEEPSPEED, "--hostfile", str(hosts), "--master_port", str(free_port()), "nshard/train.py",
+           "--ds_config", str(config), "--plan", "launch/plans/tiny.toml", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    outside = {ns: tx_bytes(ns) - outside_before[ns] for ns in NAMESPACES.values()}
+
+    run = json.loads((out / "run.json").read_text())
+    rs = receipts(out)
+    assert run["status"] == "complete" and run["world_size"] == 2
+    assert {r["parameter_root"] for r in rs} == {run["parameter_root"]}
+    # Each rank ran in its own namespace: its address there, and that namespace's kernel id.
+    assert [r["host"] for r in rs] == list(NAMESPACES)  # rank 0 on the first host of the hostfile
+    for r in rs:
+        assert r["net_namespace"] == in_namespace(NAMESPACES[r["host"]], "readlink", "/proc/self/ns/net")
+    assert rs[0]["net_namespace"] != rs[1]["net_namespace"]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for r in rs:
+        link = r["link"]
+        assert r["update_compressed"] == [False, True, True]  # dense and compressed updates crossed the link
+        assert link["interface"] == "eth0" and link["ledger_bytes"] == sum(m["reducer_bytes"] for m in metrics) > 0
+        assert link["ledger_matches_logger"] is True
+        # The kernel counted the ledger's bytes plus protocol overhead (under 5%), within what the
+        # namespace sent in the whole run as seen from outside it.
+        assert link["ledger_bytes"] <= link["kernel_tx_bytes"] <= 1.05 * link["ledger_bytes"], link
+        assert link["kernel_tx_bytes"] <= outside[NAMESPACES[r["host"]]]
+        assert link["agree"] is True
+    assert "byte counts disagree" not in proc.stderr + proc.stdout
+
+
+def test_down_cleans_up_after_a_crashed_up(user_ssh_config):
+    assert not what_is_left(), "another emulated pair is up (the addresses are fixed): run launch/hosts.sh down"
+    up = subprocess.Popen(["bash", str(HOSTS_SH), "up", "100mbit"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while not Path("/run/netns/nshard-h1").exists() and up.poll() is None:
+            time.sleep(0.005)
+        up.kill()  # SIGKILL: no trap runs
+        up.wait()
+        assert what_is_left(), "up was killed before it made anything; nothing to clean"
+    finally:
+        down = hosts_sh("down")
+    assert down.returncode == 0, down.stderr
+    assert_nothing_left()
+
+
+def test_ctrl_c_during_up_tears_everything_down(user_ssh_config):
+    assert not what_is_left(), "another emulated pair is up (the addresses are fixed): run launch/hosts.sh down"
+    up = subprocess.Popen(["bash", str(HOSTS_SH), "up"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while not Path("/run/netns/nshard-h1").exists() and up.poll() is None:
+            time.sleep(0.005)
+        up.send_signal(signal.SIGINT)
+        _, err = up.communicate(timeout=60)
+        assert up.returncode != 0 and "tearing down" in err, err
+        assert_nothing_left()
+    finally:
+        hosts_sh("down")
+
+
+def test_up_refuses_a_bad_rate_and_a_pair_already_up(user_ssh_config):
+    bad = hosts_sh("up", "fast")
+    assert bad.returncode == 2 and "not a tc rate" in bad.stderr
+    assert not what_is_left()
+    subprocess.run(["ip", "netns", "add", "nshard-h2"], check=True)  # what a crashed up could leave
+    try:
+        again = hosts_sh("up")
+        assert again.returncode == 2 and "launch/hosts.sh down" in again.stderr
+    finally:
+        assert hosts_sh("down").returncode == 0
+    assert_nothing_left()
