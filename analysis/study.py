@@ -81,7 +81,10 @@ def execution_block(run_dir: Path, ranks: int, usd_per_gb: float) -> dict:
                          "median_update_s": max(medians) if medians else None}
     per_update = [0 if ranks == 1 else sum(r["update_grad_bytes"][u] for r in receipts)
                   for u in range(len(receipts[0]["update_grad_bytes"]))]
+    # On real or emulated hosts the receipts also carry the kernel's count of what crossed the link.
+    kernel = [(r.get("link") or {}).get("kernel_tx_bytes") for r in receipts]
     return {"device": "GPU" if gpu else "CPU", "ranks": ranks,
+            "kernel_tx_bytes": sum(kernel) if ranks > 1 and None not in kernel else None,
             "max_active_s": max(r["active_s"] for r in receipts),
             "max_active_plus_checkpoint_s": max(r["active_plus_checkpoint_s"] for r in receipts),
             "complete_process_s": process_s, "device_seconds": ranks * process_s,
@@ -246,6 +249,8 @@ def execution_table(results: dict) -> str:
         ("Complete process group", lambda a, e: _num(e and e["complete_process_s"], "{:,.2f} s")),
         (f"Allocated {device} seconds, complete process", lambda a, e: _num(e and e["device_seconds"], "{:,.2f}")),
         ("All ranks, bytes handed to collectives, GB", lambda a, e: _num(e and e["sent_bytes"] / 1e9, "{:,.6f}")),
+        ("All hosts, kernel-counted transmitted GB",
+         lambda a, e: _num(None if e["kernel_tx_bytes"] is None else e["kernel_tx_bytes"] / 1e9, "{:,.6f}")),
         (f"Network cost at ${results['screens_declared']['network_usd_per_gb']}/GB",
          lambda a, e: _num(e and e["network_usd"], "${:,.4f}")),
         ("Median dense update (slowest rank)",
