@@ -17,7 +17,8 @@ PowerSGD-compressed matrices, D = P - C, N ranks, L the largest tensor):
 - comm: flat buffers that exist only while reducing (stage-0 bucket 4*min(P, 5e8); a dense flat
   all-reduce of the reducer's remainder, 4D; 4P when a dense warm-up update runs with state allocated).
 - transient: autograd's simultaneous gradients in the ingest seam (torch.autograd.grad returns all of
-  them, 4P), AdamW's temporaries (two tensors the size of what one step call sees), activations.
+  them, 4P, and the heap keeps that high-water mark: measured), AdamW's temporaries (two tensors the
+  size of what one step call sees), activations.
 Peak = the largest of the phases (backward, reduce, step), each the sum of the parts alive in it.
 """
 
@@ -136,13 +137,17 @@ def phases(shapes: Shapes, c: Config) -> dict[str, dict[str, float]]:
         grads_step = {"grads": 4 * P}
     out = {}
     if ingest:
-        # microbatch backward: torch.autograd.grad hands back every gradient at once (item 2: a hook folds
-        # each into the error memory as it is produced, so one tensor at a time)
-        out["backward"] = {**base, "transient": act + (w * L if c.item2 else w * P)}
-        out["reduce"] = {**base, "comm": 4 * D + (4 * P if c.dense_update_with_state else 0)}
+        # torch.autograd.grad hands back every gradient at once (item 2: a hook folds each into the error
+        # memory as it is produced, one tensor at a time). Measured (RSS sampled around each call): that
+        # memory is not given back once freed: per-parameter tensors (< glibc's 32 MiB mmap threshold)
+        # come from the heap, which keeps its high-water mark, so it stays in every later phase.
+        held = w * L if c.item2 else w * P
+        out["backward"] = {**base, "transient": act + held}
+        out["reduce"] = {**base, "comm": 4 * D + (4 * P if c.dense_update_with_state else 0), "transient": held}
         # surrogate backward: DeepSpeed copies each handed-over gradient into its bucket and owned partition
-        out["hand-over"] = {**base, **grads_backward, "transient": 4 * L + (2 * P if c.bf16 and not c.item2 else 0)}
-        out["step"] = {**base, **grads_step, "transient": step_temps}
+        out["hand-over"] = {**base, **grads_backward,
+                            "transient": held + (0 if c.item2 else 4 * L) + (2 * P if c.bf16 and not c.item2 else 0)}
+        out["step"] = {**base, **grads_step, "transient": step_temps + held}
     else:
         out["backward"] = {**base, **grads_backward, "transient": act}
         if c.reducer == "dense" and c.stage == 0 and not c.bf16:

@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 from analysis.memory_model import DEFAULT_BASELINE_BYTES, Config, capacity, smollm2_1_7b  # noqa: E402
 from launch.memory_probe import arm_ds_config, build_1_7b_shaped, parse_arm, run_capped, write_plan  # noqa: E402
 
-DEFAULT_CONFIGS = ("s0-dense-1r", "s0-powersgd-1r", "s1-dense", "s2-dense", "s1-powersgd", "s2-powersgd")
+DEFAULT_CONFIGS = ("s0-dense-1r", "s2-dense", "s2-powersgd", "s1-dense", "s1-powersgd")
 
 
 def attempt(name: str, spec: str, label: str, cap_bytes: int, out: Path, timeout_s: float, updates: int = 3,
