@@ -82,14 +82,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(run_dir: Path, config_path: Path, log_path: Path, args) -> int:
-    """Two ranks on this host; the launcher and its ranks share a session so a timeout ends them all."""
+def launch(run_dir: Path, config_path: Path, log_path: Path, args, ranks: int = 2,
+           wrapper: Path | None = None, extra_env: dict | None = None) -> int:
+    """`ranks` ranks on this host; the launcher and its ranks share a session so a timeout ends them all.
+
+    wrapper: a program the launcher starts instead of `python nshard/train.py` (deepspeed --no_python),
+    given the trainer's arguments (launch/capped.sh joins a memory cgroup first).
+    """
+    program = ["--no_python", str(wrapper)] if wrapper else [str(REPO / "nshard/train.py")]
     cmd = [str(Path(sys.executable).with_name("deepspeed")), "--hostfile", str(REPO / "hostfile"), "--no_ssh_check",
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(REPO / "nshard/train.py"),
+           "--num_gpus", str(ranks), "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *program,
            "--ds_config", str(config_path), "--plan", args.plan, "--out", str(run_dir),
            *(["--overwrite"] if args.overwrite else [])]
     # Two ranks x several OpenMP threads on a few cores spin 50-200x slower in collectives.
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:

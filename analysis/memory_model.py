@@ -1,0 +1,345 @@
+"""Per-rank memory of nshard's configurations (ZeRO stage x reducer x precision x error-memory place x ranks),
+predicted part by part from the parameter shapes, and set against measured peaks. Reads files only (no torch).
+
+    python -m analysis.memory_model --measured runs/memory-probe          # predicted vs measured
+    python -m analysis.memory_model --model-dir DIR --world 2             # predictions for a model
+
+What each part is, per rank (DeepSpeed 0.19.8, CPU, torch AdamW; P parameters, C of them in
+PowerSGD-compressed matrices, D = P - C, N ranks, L the largest tensor):
+- params: the module's weights (fp32 4P; bf16 2P).
+- grads: DeepSpeed's own gradient buffers. Stage 0: .grad (4P). ZeRO-1/2: the ipg bucket the grads are
+  copied into (contiguous_gradients; 4*min(P, reduce_bucket_size)) plus the owned flat partition (4P/N).
+- accumulators: the ingest seam's fp32 microbatch sums (nshard/seam.py IngestSeam.accumulated, 4P).
+- error: PowerSGD's fp32 error memory, one (n, m) matrix per compressed parameter (4C).
+- pq: the flat P and Q buffers, r(n+m) floats per compressed matrix.
+- optimizer: AdamW exp_avg + exp_avg_sq (8P; 8P/N under ZeRO-1/2 and under bf16's BF16_Optimizer).
+- master: fp32 master weights (ZeRO's single_partition_of_fp32_groups, 4P/N; 0 at stage 0 fp32).
+- comm: flat buffers that exist only while reducing (stage-0 bucket 4*min(P, 5e8); a dense flat
+  all-reduce of the reducer's remainder, 4D; 4P when a dense warm-up update runs with state allocated).
+- transient: autograd's simultaneous gradients in the ingest seam (torch.autograd.grad returns all of
+  them, 4P, and the heap keeps that high-water mark: measured), AdamW's temporaries (two tensors the
+  size of what one step call sees), activations.
+Peak = the largest of the phases (backward, reduce, step), each the sum of the parts alive in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+REDUCE_BUCKET_ELEMENTS = 500_000_000  # deepspeed zero config reduce_bucket_size default (elements)
+STAGE0_BUCKET_ELEMENTS = 500_000_000  # MEMORY_OPT_ALLREDUCE_SIZE: stage 0's flat all-reduce bucket
+DEFAULT_BASELINE_BYTES = 480 * 2**20  # a rank with no model (python, torch, deepspeed, gloo, shm): measured
+PARTS = ("params", "grads", "accumulators", "error", "pq", "optimizer", "master", "comm", "transient")
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What the model needs of a network: parameter shapes, and dimensions for the activation estimate."""
+
+    shapes: dict[str, tuple[int, ...]]
+    layers: int = 0
+    hidden: int = 0
+    intermediate: int = 0
+    vocab: int = 0
+
+    @property
+    def params(self) -> int:
+        return sum(numel(s) for s in self.shapes.values())
+
+    @property
+    def largest(self) -> int:
+        return max(numel(s) for s in self.shapes.values())
+
+
+@dataclass(frozen=True)
+class Config:
+    stage: int = 0
+    reducer: str = "dense"  # "dense" = DeepSpeed's own all-reduce; "powersgd" = nshard's
+    bf16: bool = False
+    error_place: str = "device"  # "host": on GPU the error memory is in host memory (same RAM on CPU)
+    world: int = 2
+    rank: int = 32
+    min_compression_rate: float = 2.0
+    dense_update_with_state: bool = False  # a dense warm-up update after the first one (warm-up >= 2)
+    tokens_per_microbatch: int = 256
+    item2: bool = False  # the ingest path after issue 9 item 2 (see README "Pooled memory")
+
+    @property
+    def name(self) -> str:
+        extra = "-bf16" if self.bf16 else ""
+        extra += "-host" if self.reducer == "powersgd" and self.error_place == "host" else ""
+        extra += "-item2" if self.item2 else ""
+        return f"s{self.stage}-{self.reducer}{extra}"
+
+
+def numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def compression(shapes: Shapes, rank: int, rate: float) -> tuple[int, int]:
+    """(C, PQ): elements in compressed matrices and in their P and Q (nshard/comm/layout.py's rule)."""
+    compressed = pq = 0
+    for shape in shapes.shapes.values():
+        if len(shape) < 2 or numel(shape) == 0:
+            continue
+        n, m = shape[0], numel(shape) // shape[0]
+        r = min(rank, n, m)
+        if r * (n + m) * rate <= n * m:
+            compressed, pq = compressed + n * m, pq + r * (n + m)
+    return compressed, pq
+
+
+def activation_bytes(shapes: Shapes, tokens: int, bf16: bool) -> int:
+    """Saved activations of one microbatch: ~(10h + 4i) values per token per Llama layer, and the logits
+    with their log-softmax and gradient (3V per token, fp32 in the loss)."""
+    per_token = shapes.layers * (10 * shapes.hidden + 4 * shapes.intermediate) * (2 if bf16 else 4)
+    return tokens * (per_token + 3 * shapes.vocab * 4)
+
+
+def phases(shapes: Shapes, c: Config) -> dict[str, dict[str, float]]:
+    """Bytes per rank of every part alive in each phase of an update."""
+    P, L, N = shapes.params, shapes.largest, c.world
+    C, PQ = compression(shapes, c.rank, c.min_compression_rate) if c.reducer == "powersgd" else (0, 0)
+    D = P - C
+    w = 2 if c.bf16 else 4  # bytes of a module weight / gradient element
+    zero = c.stage in (1, 2)
+    pooled = zero or c.bf16  # bf16 at stage 0 runs DeepSpeed's BF16_Optimizer, which partitions like ZeRO-1
+    base = {"params": w * P, "optimizer": 8 * P / (N if pooled else 1),
+            "master": 4 * P / N if pooled else 0, "error": 4 * C, "pq": 4 * PQ}
+    if c.reducer == "powersgd" and c.error_place == "host":
+        base["comm"] = 0  # same bytes on CPU; on GPU they leave the device (see device_bytes)
+    ingest = c.reducer == "powersgd" and pooled
+    if ingest and not c.item2:
+        base["accumulators"] = 4 * P
+    elif ingest and c.item2:
+        base["accumulators"] = 4 * D  # microbatch sums of the dense remainder only; matrices sum into the error
+    act = activation_bytes(shapes, c.tokens_per_microbatch, c.bf16)
+    owned = 4 * P / N  # ZeRO's flat gradient partition (fp32)
+    if zero:
+        bucket = w * min(P, REDUCE_BUCKET_ELEMENTS)
+        grads_backward = {"grads": bucket + owned}
+        step_temps = 8 * P / N
+        # The bucket is gone by the step at both stages (one micro-step per update): a stage-1 term for it
+        # over-predicted ZeRO-1 by 10-14% on the 1.7B shapes.
+        grads_step = {"grads": owned}
+    elif c.bf16:  # BF16_Optimizer: a full fp32 gradient accumulation buffer, bf16 .grad transient
+        grads_backward = {"grads": 4 * P + w * L}
+        step_temps = 8 * P / N
+        grads_step = {"grads": 4 * P}
+    else:
+        grads_backward = {"grads": 4 * P}
+        step_temps = 8 * L
+        grads_step = {"grads": 4 * P}
+    out = {}
+    if ingest:
+        # torch.autograd.grad hands back every gradient at once (item 2: a hook folds each into the error
+        # memory as it is produced, one tensor at a time). Measured (RSS sampled around each call): that
+        # memory is not given back once freed: per-parameter tensors (< glibc's 32 MiB mmap threshold)
+        # come from the heap, which keeps its high-water mark, so it stays in every later phase.
+        held = w * L if c.item2 else w * P
+        out["backward"] = {**base, "transient": act + held}
+        out["reduce"] = {**base, "comm": 4 * D + (4 * P if c.dense_update_with_state else 0), "transient": held}
+        # surrogate backward: DeepSpeed copies each handed-over gradient into its bucket and owned partition
+        out["hand-over"] = {**base, **grads_backward,
+                            "transient": held + (0 if c.item2 else 4 * L) + (2 * P if c.bf16 and not c.item2 else 0)}
+        out["step"] = {**base, **grads_step, "transient": step_temps + held}
+    else:
+        out["backward"] = {**base, **grads_backward, "transient": act}
+        if c.reducer == "dense" and c.stage == 0 and not c.bf16:
+            comm = 4 * min(P, STAGE0_BUCKET_ELEMENTS)
+        elif c.reducer == "powersgd":
+            comm = 4 * D + (4 * P if c.dense_update_with_state else 0)
+        else:
+            comm = 0  # ZeRO reduces inside its bucket (counted in grads)
+        out["reduce"] = {**base, **grads_backward, "comm": comm}
+        out["step"] = {**base, **grads_step, "transient": step_temps}
+    return {k: {p: float(v.get(p, 0)) for p in PARTS} for k, v in out.items()}
+
+
+def predict(shapes: Shapes, c: Config, baseline_bytes: float = DEFAULT_BASELINE_BYTES) -> dict:
+    """The peak phase, its parts (bytes and bytes/parameter) and the total with the no-model baseline."""
+    by_phase = phases(shapes, c)
+    peak_phase = max(by_phase, key=lambda k: sum(by_phase[k].values()))
+    parts = by_phase[peak_phase]
+    model_bytes = sum(parts.values())
+    return {"config": c.name, "world": c.world, "params": shapes.params, "peak_phase": peak_phase,
+            "parts_bytes": parts, "parts_per_param": {k: v / shapes.params for k, v in parts.items()},
+            "model_bytes": model_bytes, "baseline_bytes": baseline_bytes, "total_bytes": model_bytes + baseline_bytes}
+
+
+def device_bytes(pred: dict, c: Config) -> float:
+    """On GPU with host error memory, the error leaves the device (one (n, m) M at a time comes back)."""
+    moved = pred["parts_bytes"]["error"] if c.reducer == "powersgd" and c.error_place == "host" else 0
+    return pred["total_bytes"] - moved
+
+
+# ---------------------------------------------------------------- shapes from files
+
+
+def safetensors_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with path.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        shapes.update({name: tuple(info["shape"]) for name, info in header.items()})
+    if not shapes:
+        raise FileNotFoundError(f"{model_dir} holds no .safetensors file")
+    return shapes
+
+
+def llama_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """LlamaForCausalLM's parameter shapes from its config.json (tied embeddings: no lm_head)."""
+    h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    head_dim = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                       p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                       p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
+                       p + "post_attention_layernorm.weight": (h,)})
+    if not config.get("tie_word_embeddings", True):
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def model_shapes(model_dir: Path) -> Shapes:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    try:
+        shapes = safetensors_shapes(model_dir)
+    except FileNotFoundError:
+        shapes = llama_shapes(config)
+    return Shapes(shapes, config.get("num_hidden_layers", 0), config.get("hidden_size", 0),
+                  config.get("intermediate_size", 0), config.get("vocab_size", 0))
+
+
+def smollm2_1_7b(layers: int) -> Shapes:
+    config = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=32,
+                  vocab_size=49152, num_hidden_layers=layers, tie_word_embeddings=True)
+    return Shapes(llama_shapes(config), layers, 2048, 8192, 49152)
+
+
+# ---------------------------------------------------------------- measured runs
+
+
+def max_microbatch_tokens(run_dir: Path) -> int:
+    """The longest document in the run's prepared inputs (one document per microbatch in the probes)."""
+    longest = 0
+    for line in (run_dir / "prepared" / "documents.jsonl").read_text().splitlines():
+        if line.strip():
+            longest = max(longest, len(json.loads(line)["input_ids"]))
+    return longest
+
+
+def arm_config(probe: dict, run_dir: Path) -> Config:
+    ds = json.loads((run_dir / "ds_config.json").read_text())
+    section = ds.get("nshard", {})
+    return Config(stage=probe["stage"], reducer=probe["reducer"], bf16=probe["bf16"],
+                  error_place=section.get("error_feedback", "device"), world=probe["ranks"],
+                  rank=section.get("rank", 32), min_compression_rate=section.get("min_compression_rate", 2.0),
+                  dense_update_with_state=section.get("dense_warmup_updates", 0) >= 2,
+                  tokens_per_microbatch=max_microbatch_tokens(run_dir))
+
+
+def measured_rows(directory: Path) -> list[dict]:
+    """One row per probed arm: prediction, measured peak RSS (max over ranks) and the receipts' own parts."""
+    rows = []
+    for probe_path in sorted(Path(directory).glob("*/*/probe.json")):
+        probe, run_dir = json.loads(probe_path.read_text()), probe_path.parent
+        if probe["arm"] == "base" or probe["outcome"] != "complete":
+            continue
+        base_path = run_dir.parent / "base" / "probe.json"
+        baseline = measured_peak(base_path.parent) if base_path.is_file() else DEFAULT_BASELINE_BYTES
+        shapes = model_shapes(run_dir / "model")
+        config = arm_config(probe, run_dir)
+        pred = predict(shapes, config, baseline)
+        receipts = [json.loads(p.read_text()) for p in sorted((run_dir / "receipts").glob("rank-*.json"))]
+        measured = max(r["peak_rss_bytes"] for r in receipts)
+        rows.append({**pred, "model": probe["model"], "measured_bytes": measured,
+                     "measured_optimizer_state_bytes": receipts[0].get("optimizer_state_bytes"),
+                     "measured_master_param_bytes": receipts[0].get("master_param_bytes"),
+                     "cgroup_max_usage_bytes": max(probe["cgroup_max_usage_bytes"]),
+                     "error": (pred["total_bytes"] - measured) / measured})
+    return rows
+
+
+def measured_peak(run_dir: Path) -> float:
+    return max(json.loads(p.read_text())["peak_rss_bytes"] for p in (run_dir / "receipts").glob("rank-*.json"))
+
+
+# ---------------------------------------------------------------- tables
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def render(rows: list[dict], measured: bool) -> str:
+    head = ["model", "config", "N", "params (M)", "peak phase", *[f"{p} B/p" for p in PARTS], "predicted GiB"]
+    head += ["measured GiB", "pred-meas"] if measured else []
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r.get("model", ""), r["config"], str(r["world"]), f"{r['params'] / 1e6:.1f}", r["peak_phase"],
+                 *[f"{r['parts_per_param'][p]:.2f}" for p in PARTS], gib(r["total_bytes"])]
+        if measured:
+            cells += [gib(r["measured_bytes"]), f"{100 * r['error']:+.1f}%"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def capacity(config: Config, cap_bytes: float, baseline: float, max_layers: int = 64) -> int:
+    """The deepest SmolLM2-1.7B-shaped model whose predicted peak fits under cap_bytes (0: none)."""
+    best = 0
+    for layers in range(1, max_layers + 1):
+        if predict(smollm2_1_7b(layers), config, baseline)["total_bytes"] > cap_bytes:
+            break
+        best = layers
+    return best
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--measured", help="a launch/memory_probe.py output directory")
+    parser.add_argument("--model-dir", help="predict for this transformers model directory")
+    parser.add_argument("--layers", type=int, default=None, help="predict for a SmolLM2-1.7B-shaped model of LAYERS")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per microbatch (activations)")
+    parser.add_argument("--item2", action="store_true", help="also predict the ingest path after item 2")
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args(argv)
+    if args.measured:
+        rows = measured_rows(Path(args.measured))
+        if not rows:
+            print(f"memory_model: error: no completed probe arms under {args.measured}", file=sys.stderr)
+            return 2
+        print(render(rows, measured=True), end="")
+    else:
+        shapes = model_shapes(Path(args.model_dir)) if args.model_dir else smollm2_1_7b(args.layers or 24)
+        rows = []
+        for stage in (0, 1, 2):
+            for reducer in ("dense", "powersgd"):
+                for bf16 in (False, True):
+                    c = Config(stage=stage, reducer=reducer, bf16=bf16, world=args.world,
+                               tokens_per_microbatch=args.tokens)
+                    rows.append({**predict(shapes, c), "model": "given"})
+                    if args.item2 and reducer == "powersgd" and (stage or bf16):
+                        rows.append({**predict(shapes, replace(c, item2=True)), "model": "given"})
+        print(render(rows, measured=False), end="")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

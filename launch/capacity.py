@@ -1,0 +1,153 @@
+"""Capacity under a per-rank memory cap: for each configuration, the deepest SmolLM2-1.7B-shaped model
+(layers added one at a time, starting from the memory model's guess) that completes a short plan
+with every rank inside its own memory cgroup (launch/memcap.py).
+
+    .venv/bin/python launch/capacity.py [--cap_gib 6] [--configs s0-dense-1r,s1-dense,...] [--out runs/capacity]
+
+An attempt ends "complete", "out of memory" (the kernel OOM-killed a rank: its group's oom_kill count
+moved; DeepSpeed's launcher then kills the other rank), "timeout" or "failed". Writes capacity.json,
+capacity.md and capacity.png (trainable parameters against the per-rank cap, one line per configuration)
+into --out; every run directory keeps its receipts (peak RSS, bytes per update).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from analysis.memory_model import DEFAULT_BASELINE_BYTES, Config, capacity, smollm2_1_7b  # noqa: E402
+from launch.memory_probe import arm_ds_config, build_1_7b_shaped, parse_arm, run_capped, write_plan  # noqa: E402
+
+DEFAULT_CONFIGS = ("s0-dense-1r", "s2-dense", "s2-powersgd", "s1-dense", "s1-powersgd")
+
+
+def attempt(name: str, spec: str, label: str, cap_bytes: int, out: Path, timeout_s: float, updates: int = 3,
+            rank: int = 32) -> dict:
+    """One capped run of configuration `name` on model `spec`; the run directory is out/label/name."""
+    arm = parse_arm(name)
+    plan = write_plan(out, f"capacity-{label}", spec, updates)
+    run_dir = out / label / name
+    result = run_capped(arm, arm_ds_config(arm, rank=rank), plan, run_dir, cap_bytes, timeout_s, overwrite=True)
+    result.update(arm=name, model=label, spec=spec, **arm)
+    if result["outcome"] == "complete":
+        receipts = [json.loads(p.read_text()) for p in sorted((run_dir / "receipts").glob("rank-*.json"))]
+        result["peak_rss_bytes"] = [r["peak_rss_bytes"] for r in receipts]
+        per_update = [(b, c) for r in receipts for b, c in zip(r["update_grad_bytes"], r["update_compressed"])]
+        result["bytes_per_compressed_update"] = _median([b for b, c in per_update if c])
+        result["bytes_per_dense_update"] = _median([b for b, c in per_update if not c])
+        for weights in (run_dir / "model").glob("*.safetensors"):  # GBs each; config.json keeps the shapes
+            weights.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "probe.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def _median(values):
+    return statistics.median(values) if values else None
+
+
+def deepest(name: str, cap_bytes: int, out: Path, timeout_s: float, max_layers: int, log) -> dict:
+    """Start at the memory model's predicted depth, then step one layer up while runs complete, or down
+    while they run out of memory; any other outcome stops the search and is reported as such."""
+    arm = parse_arm(name)
+    config = Config(stage=arm["stage"], reducer=arm["reducer"], bf16=arm["bf16"], world=arm["ranks"])
+    guess = max(1, min(max_layers, capacity(config, cap_bytes, DEFAULT_BASELINE_BYTES)))
+    tried: dict[int, dict] = {}
+    layers = guess
+    while 1 <= layers <= max_layers and layers not in tried:
+        spec = str(build_1_7b_shaped(layers, out / "models"))
+        tried[layers] = attempt(name, spec, f"1.7b-L{layers}", cap_bytes, out, timeout_s)
+        log(f"{name} L={layers}: {tried[layers]['outcome']} ({tried[layers]['wall_s']:.0f} s)")
+        outcome = tried[layers]["outcome"]
+        if outcome == "complete":
+            layers += 1
+        elif outcome == "out of memory":
+            layers -= 1
+        else:
+            break
+    fits = [d for d, r in tried.items() if r["outcome"] == "complete"]
+    best = max(fits) if fits else 0
+    ooms = [d for d, r in tried.items() if r["outcome"] == "out of memory"]
+    errors = {d: r["outcome"] for d, r in tried.items() if r["outcome"] not in ("complete", "out of memory")}
+    return {"config": name, "cap_bytes": cap_bytes, "predicted_layers": guess, "layers": best,
+            "params": smollm2_1_7b(best).params if best else 0, "first_oom_layers": min(ooms) if ooms else None,
+            "errors": errors, "attempts": {str(d): r for d, r in sorted(tried.items())}, "run": tried.get(best)}
+
+
+def gib(n) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f}"
+
+
+def render(rows: list[dict]) -> str:
+    head = ["config", "cap / rank (GiB)", "depth (layers)", "parameters (M)", "predicted depth",
+            "first OOM depth", "peak RSS / rank (GiB)", "bytes / compressed update (MiB)",
+            "bytes / dense update (MiB)", "vs s0-dense-1r", "other outcomes"]
+    ref = {r["cap_bytes"]: r["params"] for r in rows if r["config"] == "s0-dense-1r"}
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        run = r["run"] or {}
+        mib = lambda b: "n/a" if b is None else f"{b / 2**20:.1f}"  # noqa: E731
+        ratio = f"{r['params'] / ref[r['cap_bytes']]:.2f}x" if ref.get(r["cap_bytes"]) else "n/a"
+        lines.append("| " + " | ".join([
+            r["config"], gib(r["cap_bytes"]), str(r["layers"]), f"{r['params'] / 1e6:.0f}", str(r["predicted_layers"]),
+            str(r["first_oom_layers"]), " / ".join(gib(b) for b in run.get("peak_rss_bytes", [])) or "n/a",
+            mib(run.get("bytes_per_compressed_update")), mib(run.get("bytes_per_dense_update")), ratio,
+            json.dumps(r["errors"]) if r["errors"] else ""]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in dict.fromkeys(r["config"] for r in rows):
+        pts = sorted((r["cap_bytes"] / 2**30, r["params"] / 1e6) for r in rows if r["config"] == name)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xlabel("per-rank memory cap (GiB)")
+    ax.set_ylabel("trainable parameters (M), SmolLM2-1.7B-shaped")
+    ax.set_title("Deepest model that completes under the cap")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cap_gib", default="6", help="per-rank cap(s), comma-separated")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
+    parser.add_argument("--out", default=str(REPO / "runs/capacity"))
+    parser.add_argument("--max_layers", type=int, default=8)
+    parser.add_argument("--timeout_s", type=float, default=900, help="wall-clock limit per attempt")
+    parser.add_argument("--keep_models", action="store_true", help="keep the built models (GBs each)")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    try:
+        for cap in (float(c) for c in args.cap_gib.split(",")):
+            for name in args.configs.split(","):
+                rows.append(deepest(name, int(cap * 2**30), out, args.timeout_s, args.max_layers,
+                                    lambda msg: print(msg, flush=True)))
+                (out / "capacity.json").write_text(json.dumps(rows, indent=1) + "\n")
+    finally:
+        if not args.keep_models:
+            shutil.rmtree(out / "models", ignore_errors=True)
+    (out / "capacity.md").write_text(render(rows))
+    plot(rows, out / "capacity.png")
+    print(render(rows), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
