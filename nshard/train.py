@@ -32,29 +32,31 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     prepare_process_env()
     from nshard.data import DataError
-    from nshard.engine import DsConfigError, load_ds_config
+    from nshard.engine import DsConfigError, load_ds_config, reducer_config
     from nshard.plan import PlanError, load_plan
     from nshard.trainer import Run, RunError, preflight, run_training
 
     try:  # bad input fails here, before any process group, run directory or model exists
         plan = load_plan(args.plan)
         ds_config = load_ds_config(args.ds_config)
+        reducer = reducer_config(ds_config)  # the "nshard" section, parsed once and passed on
         preflight(plan, ds_config, int(os.environ.get("WORLD_SIZE", "1")))
     except (PlanError, DsConfigError, DataError, OSError, ValueError) as exc:
         print(f"nshard: error: {exc}", file=sys.stderr)
         return 2
     import torch.distributed as dist
 
+    from nshard.comm import RanksDisagree
     from nshard.engine import init_distributed
 
     init_distributed()
     run = Run(plan, Path(args.plan), Path(args.ds_config), ds_config, Path(args.out) if args.out else plan.run_dir(),
-              dist.get_rank(), dist.get_world_size())
+              dist.get_rank(), dist.get_world_size(), reducer)
     try:
         run_training(run, overwrite=args.overwrite)
         dist.barrier()
         return 0
-    except (PlanError, DsConfigError, DataError, RunError, OSError) as exc:
+    except (PlanError, DsConfigError, DataError, RunError, RanksDisagree, OSError) as exc:
         print(f"nshard: error (rank {run.rank}): {exc}", file=sys.stderr)
         return 2
     finally:  # without it, gloo ranks sometimes abort at exit ("terminate called without an active exception")

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from nshard import data as data_mod
 from nshard import engine as engine_mod
 from nshard.loss import deepspeed_backward_scale, pad_microbatch, weighted_nll_sum
+from nshard.comm.config import ReducerConfig
 from nshard.files import file_sha256, write_json_atomic
 from nshard.plan import Plan
 from nshard.receipts import MetricsLog, Receipt, parameter_root
@@ -34,6 +35,8 @@ class Run:
     out: Path
     rank: int
     world: int
+    reducer: ReducerConfig | None = None
+    """The ds_config's "nshard" section, parsed once (None: DeepSpeed's own all-reduce)."""
 
     @property
     def is_main(self) -> bool:
@@ -209,7 +212,7 @@ def run_training(run: Run, overwrite: bool = False) -> dict:
     torch.manual_seed(run.plan.train.seed)
     engine = engine_mod.build_engine(load_model(model_ref),
                                      engine_mod.complete_ds_config(run.ds_config, run.plan, run.world))
-    seam = engine_mod.install_reducer(engine, run.ds_config.get("nshard"))
+    seam = engine_mod.install_reducer(engine, run.reducer)
     receipt = train(run, engine, seam, prepared, schedule, tokenizer.pad_token_id)
     t0 = time.perf_counter()
     root = export_model(run, engine, tokenizer)
