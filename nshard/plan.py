@@ -116,6 +116,23 @@ class ScreensSection:
 
 
 @dataclass(frozen=True)
+class CheckpointSection:
+    """Complete resumable states (nshard/state.py) and replica checks."""
+
+    every: int = 0
+    """Updates between complete states; 0: only at the end. `--resume` continues from the newest."""
+    replica_check_every: int = 0
+    """Updates between parameter-root comparisons across ranks; 0: only before a state is saved."""
+    keep: int = 2
+    """Complete states kept; older ones are removed once a newer one is sealed."""
+
+    def __post_init__(self):
+        _non_negative("checkpoint.every", self.every)
+        _non_negative("checkpoint.replica_check_every", self.replica_check_every)
+        _positive("checkpoint.keep", self.keep)
+
+
+@dataclass(frozen=True)
 class OutputSection:
     dir: str = ""
     """Run directory; empty: runs/<plan name>."""
@@ -129,6 +146,7 @@ class Plan:
     train: TrainSection = field(default_factory=TrainSection)
     screens: ScreensSection = field(default_factory=ScreensSection)
     output: OutputSection = field(default_factory=OutputSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
 
     def __post_init__(self):
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
@@ -148,7 +166,7 @@ class Plan:
 
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection,
-            "screens": ScreensSection, "output": OutputSection}
+            "screens": ScreensSection, "output": OutputSection, "checkpoint": CheckpointSection}
 
 
 def load_plan(path: str | Path) -> Plan:
