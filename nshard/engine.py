@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from nshard.comm.config import ReducerConfig
 from nshard.plan import Plan
 
 # Keys nshard derives from the plan (documents per batch); a ds_config may leave them out or "auto".
@@ -48,22 +49,33 @@ def validate_ds_config(config: dict) -> None:
         raise DsConfigError(f"optimizer.type={opt.get('type')!r}: nshard's study rule is AdamW; use \"AdamW\"")
     if "lr" not in opt.get("params", {}):
         raise DsConfigError("optimizer.params.lr is missing: give a learning rate")
-    if "nshard" in config:
-        from nshard.comm import validate_config
 
-        try:
-            validate_config(config["nshard"])
-        except ValueError as exc:
-            raise DsConfigError(" ".join(str(exc).split())) from None
-        if stage == 3:
-            raise DsConfigError("an \"nshard\" section with zero_optimization.stage=3: nshard's reducers run "
-                                "at stages 0, 1 and 2; lower the stage or drop the section")
-        if config.get("fp16", {}).get("enabled"):
-            raise DsConfigError("fp16.enabled with an \"nshard\" section: nshard's reducers take unscaled "
-                                "gradients; use bf16 (\"bf16\": {\"enabled\": true}) or fp32")
-        if config.get("torch_autocast", {}).get("enabled"):
-            raise DsConfigError("torch_autocast.enabled with an \"nshard\" section is not supported "
-                                "(the ingest seam calls the module directly); use bf16 or fp32")
+
+def reducer_config(config: dict) -> ReducerConfig | None:
+    """The "nshard" section, parsed once into the ReducerConfig that the run passes on (None: DeepSpeed's
+    own all-reduce), and checked against the rest of the ds_config; each problem is a DsConfigError."""
+    if "nshard" not in config:
+        return None
+    from nshard.comm.config import ConfigError, parse_config
+
+    try:
+        parsed = parse_config(config["nshard"])
+    except ConfigError as exc:
+        raise DsConfigError(" ".join(str(exc).split())) from None
+    if config.get("zero_optimization", {}).get("stage", 0) == 3:
+        raise DsConfigError("an \"nshard\" section with zero_optimization.stage=3: nshard's reducers run "
+                            "at stages 0, 1 and 2; lower the stage or drop the section")
+    if config.get("fp16", {}).get("enabled"):
+        raise DsConfigError("fp16.enabled with an \"nshard\" section: nshard's reducers take unscaled "
+                            "gradients; use bf16 (\"bf16\": {\"enabled\": true}) or fp32")
+    if config.get("torch_autocast", {}).get("enabled"):
+        raise DsConfigError("torch_autocast.enabled with an \"nshard\" section is not supported "
+                            "(the ingest seam calls the module directly); use bf16 or fp32")
+    if config.get("managed_gradient_accumulation", True) is not True:
+        raise DsConfigError("managed_gradient_accumulation=false with an \"nshard\" section: the reducer "
+                            "averages each update's accumulated gradient, which needs DeepSpeed to manage "
+                            "accumulation; remove the key or set it to true")
+    return parsed
 
 
 def complete_ds_config(config: dict, plan: Plan, world_size: int) -> dict:
@@ -84,7 +96,7 @@ def complete_ds_config(config: dict, plan: Plan, world_size: int) -> dict:
     sched = config.get("scheduler", {}).get("params", {})
     if sched.get("total_num_steps", None) == "auto":
         sched["total_num_steps"] = t.updates
-    if "nshard" in config and ingest_mode(config):
+    if "nshard" in config and ingest_mode(config.get("zero_optimization", {}).get("stage", 0), _bf16(config)):
         # DeepSpeed sees one micro-step per update in ingest mode (see nshard/seam.py IngestSeam).
         config["gradient_accumulation_steps"] = 1
         config["train_batch_size"] = t.microbatch_docs * world_size
@@ -228,6 +240,23 @@ def full_parameters(engine):
     return contextlib.nullcontext()
 
 
+DS_CHECKPOINT_TAG = "deepspeed"
+"""DeepSpeed's checkpoint sits in <state dir>/deepspeed/ (nshard/state.py seals the directory around it)."""
+
+
+def save_checkpoint(engine, directory: Path) -> None:
+    """DeepSpeed's own checkpoint: module, optimizer (ZeRO partitions: one file per rank), scheduler, step
+    counters. A collective: every rank calls it."""
+    engine.save_checkpoint(str(directory), tag=DS_CHECKPOINT_TAG, save_latest=False)
+
+
+def load_checkpoint(engine, directory: Path) -> None:
+    path, _ = engine.load_checkpoint(str(directory), tag=DS_CHECKPOINT_TAG, load_module_strict=True,
+                                     load_optimizer_states=True, load_lr_scheduler_states=True)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed found no checkpoint in {directory}/{DS_CHECKPOINT_TAG}")
+
+
 # ---------------------------------------------------------------- where the gradients are reduced
 #
 # DeepSpeed has no public hook for replacing its gradient reduction. Everything nshard touches
@@ -267,37 +296,40 @@ def _silence_zero_reduction(optimizer) -> None:
         optimizer.flatten(bucket), communication_data_type)
 
 
-def ingest_mode(config: dict) -> bool:
-    """Whether an nshard reducer needs the ingest seam (nshard/seam.py): ZeRO-1/2 or bf16."""
-    stage = config.get("zero_optimization", {}).get("stage", 0)
-    bf16 = any(config.get(key, {}).get("enabled") for key in ("bf16", "bfloat16"))  # DeepSpeed takes both names
-    return stage in (1, 2) or bool(bf16)
+def ingest_mode(stage: int, bf16: bool) -> bool:
+    """The one rule for where an nshard reducer sits: the ingest seam (nshard/seam.py) at ZeRO-1/2 or
+    bf16, in place of the stage-0 all-reduce otherwise. Applied to the ds_config before the engine
+    exists (complete_ds_config) and to the engine itself (install_reducer)."""
+    return stage in (1, 2) or bf16
 
 
-def install_reducer(engine, section: dict | None):
-    """The gradient reduction named by the ds_config's "nshard" section (none: DeepSpeed's own)."""
+def _bf16(config: dict) -> bool:
+    return any(bool(config.get(key, {}).get("enabled")) for key in ("bf16", "bfloat16"))  # DeepSpeed takes both
+
+
+def install_reducer(engine, config: ReducerConfig | None):
+    """The gradient reduction chosen by the parsed "nshard" section (None: DeepSpeed's own)."""
     from nshard import seam
 
-    if section is None:
+    if config is None:
         return seam.DeepSpeedReduction()
     import functools
 
     import deepspeed.comm as ds_comm
 
-    from nshard.comm import build_reducer, validate_config
+    from nshard.comm import build_reducer
 
-    section = validate_config(section)
     # Through deepspeed.comm under its own log name, so DeepSpeed's comms logger counts the
     # reducer's traffic apart from DeepSpeed's own gradient collectives.
     all_reduce = functools.partial(ds_comm.all_reduce, log_name=REDUCER_LOG_NAME)
-    reducer = build_reducer(section, all_reduce=all_reduce)
+    reducer = build_reducer(config, all_reduce=all_reduce)
     check_private_api(engine)
     if zero_stage(engine) in (1, 2):
         _silence_zero_reduction(engine.optimizer)  # (switching the flag off breaks ZeRO-1/2's norm: KeyError)
     else:
         engine.enable_backward_allreduce = False
-    ingest = zero_stage(engine) in (1, 2) or engine.bfloat16_enabled()
-    return (seam.IngestSeam if ingest else seam.InPlaceSeam)(engine, reducer, section["reducer"])
+    ingest = ingest_mode(zero_stage(engine), engine.bfloat16_enabled())
+    return (seam.IngestSeam if ingest else seam.InPlaceSeam)(engine, reducer, config.reducer)
 
 
 REDUCER_LOG_NAME = "nshard_reducer"

@@ -176,6 +176,23 @@ class StudySection:
 
 
 @dataclass(frozen=True)
+class CheckpointSection:
+    """Complete resumable states (nshard/state.py) and replica checks."""
+
+    every: int = 0
+    """Updates between complete states; 0: only at the end. `--resume` continues from the newest."""
+    replica_check_every: int = 0
+    """Updates between parameter-root comparisons across ranks; 0: only before a state is saved."""
+    keep: int = 2
+    """Complete states kept; older ones are removed once a newer one is sealed."""
+
+    def __post_init__(self):
+        _non_negative("checkpoint.every", self.every)
+        _non_negative("checkpoint.replica_check_every", self.replica_check_every)
+        _positive("checkpoint.keep", self.keep)
+
+
+@dataclass(frozen=True)
 class OutputSection:
     dir: str = ""
     """Run directory; empty: runs/<plan name>."""
@@ -190,6 +207,7 @@ class Plan:
     screens: ScreensSection = field(default_factory=ScreensSection)
     study: StudySection = field(default_factory=StudySection)
     output: OutputSection = field(default_factory=OutputSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
 
     def __post_init__(self):
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
@@ -209,7 +227,8 @@ class Plan:
 
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection,
-            "screens": ScreensSection, "study": StudySection, "output": OutputSection}
+            "screens": ScreensSection, "study": StudySection, "output": OutputSection,
+            "checkpoint": CheckpointSection}
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import resource
@@ -46,6 +47,11 @@ class Receipt:
     update_compressed: list[bool] = field(default_factory=list)
     active_s: float = 0.0
     other_collective_bytes: int = 0
+    state_s: float = 0.0
+    """Seconds spent saving complete states and comparing replicas (kept out of active_s)."""
+    state_saves: list[dict] = field(default_factory=list)
+    resumed_from: list[int] = field(default_factory=list)
+    """The update each --resume continued from (empty: one uninterrupted process)."""
     where_and_link: dict = field(default_factory=dict)  # host, net_namespace, link byte counts (nshard/netcount.py)
 
     def record_update(self, seconds: float, grad_bytes: int, other_bytes: int, compressed: bool) -> None:
@@ -53,6 +59,14 @@ class Receipt:
         self.update_grad_bytes.append(grad_bytes)
         self.update_compressed.append(compressed)
         self.other_collective_bytes += other_bytes
+
+    def state_dict(self) -> dict:
+        """The counters so far, saved with every complete state so a resumed run's receipt covers the whole run."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "Receipt":
+        return cls(**state)
 
     def by_phase(self) -> dict:
         """Dense (warm-up or uncompressed) and compressed updates apart: count, median seconds, median bytes."""
@@ -78,6 +92,10 @@ class Receipt:
             "update_compressed": self.update_compressed,
             "other_collective_bytes": self.other_collective_bytes,
             "by_phase": self.by_phase(),
+            "state_s": self.state_s,
+            "state_saves": self.state_saves,
+            "resumed_from_update": self.resumed_from[-1] if self.resumed_from else None,
+            "resumed_from_updates": self.resumed_from,
             "parameter_root": root,
             **peak_memory_bytes(),
             **self.where_and_link,
@@ -88,10 +106,20 @@ class Receipt:
 
 
 class MetricsLog:
-    """metrics.jsonl, one line per update, written by rank 0 only; other ranks get a null log with the same calls."""
+    """metrics.jsonl, one line per update, written by rank 0 only; other ranks get a null log with the same calls.
 
-    def __init__(self, path: Path | None):
+    A resumed run keeps the lines up to its resume point and drops any written after it (they came
+    from updates the crashed run did not save), so the file covers the whole run once.
+    """
+
+    def __init__(self, path: Path | None, resume_after: int = 0):
+        kept = []
+        if path and resume_after:
+            lines = path.read_text().splitlines() if path.exists() else []
+            kept = [line for line in lines if line.strip() and json.loads(line)["update"] <= resume_after]
         self._file = path.open("w") if path else None
+        for line in kept:
+            self._file.write(line + "\n")
 
     def write(self, record: dict) -> None:
         if self._file:

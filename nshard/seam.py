@@ -27,6 +27,12 @@ class DeepSpeedReduction:
     def last_update_bytes(self) -> int:
         return 0
 
+    def state_dict(self) -> dict:
+        return {}  # DeepSpeed's own reduction keeps nothing between updates
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
 
 class ReducerSeam:
     """Shared by the nshard seams: the reducer, the trained parameters, the ledger's last record."""
@@ -35,12 +41,21 @@ class ReducerSeam:
         self.reducer, self.name = reducer, name
         self.params = {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
         reducer.register({n: tuple(p.shape) for n, p in self.params.items()})
+        # What the optimizer receives: the parameter's dtype (bf16 under bf16, though reduced in fp32).
+        reducer.deliver_as({n: p.dtype for n, p in self.params.items()})
 
     def last_update_compressed(self) -> bool:
         return self.reducer.ledger.records[-1]["compressed"]
 
     def last_update_bytes(self) -> int:
         return sum(self.reducer.ledger.records[-1]["bytes"].values())
+
+    def state_dict(self) -> dict:
+        """The reducer's state (between updates the seams' own buffers hold zeros: nothing else to keep)."""
+        return {"reducer": self.reducer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.reducer.load_state_dict(state["reducer"])
 
 
 class InPlaceSeam(ReducerSeam):

@@ -1,6 +1,7 @@
 """Entry point started by the deepspeed launcher (or torchrun, or mpirun): parse, build, run, close.
 
     deepspeed --hostfile hostfile nshard/train.py --ds_config ds_configs/dense.json [--plan P] [--out DIR]
+        [--overwrite | --resume]
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--plan", default=str(DEFAULT_PLAN), help="experiment plan TOML (default: the embedded demo)")
     parser.add_argument("--out", default=None, help="run directory (default: runs/<plan name>)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run directory (--out) from its newest complete state")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return parser.parse_args(argv)
 
@@ -32,29 +35,37 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     prepare_process_env()
     from nshard.data import DataError
-    from nshard.engine import DsConfigError, load_ds_config
+    from nshard.engine import DsConfigError, load_ds_config, reducer_config
     from nshard.plan import PlanError, load_plan
+    from nshard.state import find_resumable
     from nshard.trainer import Run, RunError, preflight, run_training
 
     try:  # bad input fails here, before any process group, run directory or model exists
+        if args.resume and args.overwrite:
+            raise ValueError("--resume continues a run directory and --overwrite replaces it: give one of them")
         plan = load_plan(args.plan)
         ds_config = load_ds_config(args.ds_config)
-        preflight(plan, ds_config, int(os.environ.get("WORLD_SIZE", "1")))
-    except (PlanError, DsConfigError, DataError, OSError, ValueError) as exc:
+        reducer = reducer_config(ds_config)  # the "nshard" section, parsed once and passed on
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        preflight(plan, ds_config, world_size)
+        out = Path(args.out) if args.out else plan.run_dir()
+        resume_from = find_resumable(out, Path(args.plan), Path(args.ds_config), world_size) if args.resume else None
+    except (PlanError, DsConfigError, DataError, RunError, OSError, ValueError) as exc:
         print(f"nshard: error: {exc}", file=sys.stderr)
         return 2
     import torch.distributed as dist
 
+    from nshard.comm import RanksDisagree
     from nshard.engine import init_distributed
 
     init_distributed()
-    run = Run(plan, Path(args.plan), Path(args.ds_config), ds_config, Path(args.out) if args.out else plan.run_dir(),
-              dist.get_rank(), dist.get_world_size())
+    run = Run(plan, Path(args.plan), Path(args.ds_config), ds_config, out, dist.get_rank(), dist.get_world_size(),
+              reducer)
     try:
-        run_training(run, overwrite=args.overwrite)
+        run_training(run, overwrite=args.overwrite, resume_from=resume_from)
         dist.barrier()
         return 0
-    except (PlanError, DsConfigError, DataError, RunError, OSError) as exc:
+    except (PlanError, DsConfigError, DataError, RunError, RanksDisagree, OSError) as exc:
         print(f"nshard: error (rank {run.rank}): {exc}", file=sys.stderr)
         return 2
     finally:  # without it, gloo ranks sometimes abort at exit ("terminate called without an active exception")

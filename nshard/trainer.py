@@ -16,15 +16,14 @@ import torch.distributed as dist
 from nshard import data as data_mod
 from nshard import engine as engine_mod
 from nshard import netcount
-from nshard.loss import deepspeed_backward_scale, pad_microbatch, weighted_nll_sum
+from nshard import state as state_mod
+from nshard.comm.config import ReducerConfig
 from nshard.export import write_manifest
+from nshard.loss import deepspeed_backward_scale, pad_microbatch, weighted_nll_sum
 from nshard.files import file_sha256, write_json_atomic
 from nshard.plan import Plan
+from nshard.ranks import RunError, all_ranks, on_main_rank
 from nshard.receipts import MetricsLog, Receipt, parameter_root
-
-
-class RunError(RuntimeError):
-    """A run that must stop; the message says why and what to do."""
 
 
 @dataclass
@@ -36,31 +35,12 @@ class Run:
     out: Path
     rank: int
     world: int
+    reducer: ReducerConfig | None = None
+    """The ds_config's "nshard" section, parsed once (None: DeepSpeed's own all-reduce)."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def all_ranks(obj) -> list:
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
-
-
-def on_main_rank(run: Run, fn, *args):
-    """Run fn on rank 0 only; an error there becomes a RunError on every rank, so nobody waits at a barrier."""
-    result, error = None, None
-    if run.is_main:
-        try:
-            result = fn(*args)
-        except Exception as exc:  # noqa: BLE001 -- re-raised on every rank below
-            error = f"{type(exc).__name__}: {exc}"
-    message = [error]
-    dist.broadcast_object_list(message, src=0)
-    if message[0] is not None:
-        raise RunError(f"on rank 0: {message[0]}")
-    return result
 
 
 def preflight(plan: Plan, ds_config: dict, world_size: int) -> None:
@@ -145,17 +125,21 @@ def global_loss(local_nll: float, batch: list[int], prepared, device) -> float:
     return total.item() / math.fsum(prepared[i].target_weight for i in batch)
 
 
-def train(run: Run, engine, seam, prepared, schedule, pad_id: int) -> Receipt:
+def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state_mod.StateKeeper,
+          start: int = 0, receipt: Receipt | None = None) -> Receipt:
+    """Updates start.. of the schedule (a resumed run passes its state's position and receipt counters)."""
     from tqdm import tqdm
 
-    receipt = Receipt(run.rank, run.world)
+    receipt = receipt or Receipt(run.rank, run.world)
     counter = engine_mod.CollectiveCounter()
     counter.take()
-    log = MetricsLog(run.out / "metrics.jsonl" if run.is_main else None)
+    log = MetricsLog(run.out / "metrics.jsonl" if run.is_main else None, resume_after=start)
     engine.train()
     link = netcount.LinkCount(engine_mod.CollectiveCounter())  # kernel vs collective bytes over the loop
-    start = time.perf_counter()
-    for update, batch in enumerate(tqdm(schedule, desc="updates", disable=not run.is_main)):
+    began, state_s_before = time.perf_counter(), receipt.state_s
+    for update in tqdm(range(start, len(schedule)), initial=start, total=len(schedule), desc="updates",
+                       disable=not run.is_main):
+        batch = schedule[update]
         t0 = time.perf_counter()
         lr = engine.optimizer.param_groups[0]["lr"]  # the rate this update steps with
         local_nll = train_update(engine, seam, run, prepared, batch, pad_id)
@@ -170,9 +154,13 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int) -> Receipt:
         log.write({"update": update + 1, "loss": loss, "lr": lr, "update_s": seconds, "compressed": compressed,
                    "grad_bytes": grad_bytes, "deepspeed_grad_bytes": counts["deepspeed_grad_bytes"],
                    "reducer_bytes": reducer_bytes, "logged_reducer_bytes": counts["logged_reducer_bytes"]})
-    receipt.active_s = time.perf_counter() - start
+        keeper.after_update(update + 1, receipt)
+        counter.take()  # a replica check's or state save's collectives belong to no update
     ledger = seam.reducer.ledger if hasattr(seam, "reducer") else None  # none under DeepSpeed's own reduction
     receipt.where_and_link = link.finish(run.rank, run.world, ledger.total_bytes() if ledger else None)
+    keeper.finish(len(schedule), receipt)
+    # State saves and replica checks are timed apart (receipt.state_s), so resumed or not, active_s is training.
+    receipt.active_s += time.perf_counter() - began - (receipt.state_s - state_s_before)
     log.close()
     return receipt
 
@@ -200,7 +188,8 @@ def export_model(run: Run, engine, tokenizer, prepared_identity: str) -> str:
     return root
 
 
-def run_training(run: Run, overwrite: bool = False) -> dict:
+def run_training(run: Run, overwrite: bool = False, resume_from: Path | None = None) -> dict:
+    """A fresh run, or (resume_from: a state found by nshard.state.find_resumable) one continued from a state."""
     from nshard.models import load_model, load_tokenizer, resolve_model
 
     # Rank 0 converts the embedded model once; the others then find it cached.
@@ -208,19 +197,24 @@ def run_training(run: Run, overwrite: bool = False) -> dict:
     model_ref = resolve_model(run.plan.model.spec)
     tokenizer = load_tokenizer(model_ref)
     docs, prepared, schedule, sets, identity = prepare_inputs(run, tokenizer, model_ref)
-    # Only now, with every input checked, does the run directory appear.
-    on_main_rank(run, setup_run_dir, run, overwrite)
+    # Only now, with every input checked, does the run directory appear (a resumed run's exists).
+    if resume_from is None:
+        on_main_rank(run, setup_run_dir, run, overwrite)
     if run.is_main:
         data_mod.write_prepared(run.out / "prepared", docs, prepared, schedule, sets, identity)
         print(f"prepared identity {identity}", flush=True)
     torch.manual_seed(run.plan.train.seed)
     engine = engine_mod.build_engine(load_model(model_ref),
                                      engine_mod.complete_ds_config(run.ds_config, run.plan, run.world))
-    seam = engine_mod.install_reducer(engine, run.ds_config.get("nshard"))
-    receipt = train(run, engine, seam, prepared, schedule, tokenizer.pad_token_id)
+    seam = engine_mod.install_reducer(engine, run.reducer)
+    keeper = state_mod.StateKeeper(run, engine, seam, identity)
+    start, receipt = keeper.restore(resume_from) if resume_from else (0, None)
+    if resume_from:
+        on_main_rank(run, write_run_json, run, "running", resumed_from_update=start)
+    receipt = train(run, engine, seam, prepared, schedule, tokenizer.pad_token_id, keeper, start, receipt)
     t0 = time.perf_counter()
     root = export_model(run, engine, tokenizer, identity)
-    active_plus_checkpoint = receipt.active_s + time.perf_counter() - t0
+    active_plus_checkpoint = receipt.active_s + receipt.state_s + time.perf_counter() - t0
     extra = {"zero_stage": engine_mod.zero_stage(engine), "reducer": seam.name,
              "prepared_identity": identity, "comms_logged": engine_mod.comms_logged(),
              **engine_mod.optimizer_memory(engine)}
@@ -229,7 +223,8 @@ def run_training(run: Run, overwrite: bool = False) -> dict:
     if run.is_main:
         write_run_json(run, "complete", prepared_identity=identity, parameter_root=root,
                        model={"spec": model_ref.spec, "kind": model_ref.kind, "sha256": model_ref.sha256},
-                       zero_stage=extra["zero_stage"], reducer=extra["reducer"])
+                       zero_stage=extra["zero_stage"], reducer=extra["reducer"],
+                       resumed_from_update=body["resumed_from_update"])
         print(json.dumps({"run": str(run.out), "parameter_root": root, "active_s": round(body["active_s"], 3)}),
               flush=True)
     return body

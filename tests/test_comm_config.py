@@ -12,8 +12,8 @@ GOOD = {"reducer": "powersgd", "rank": 32, "dense_warmup_updates": 8, "min_compr
 
 def test_validate_returns_the_section_with_defaults_filled():
     assert validate_config(GOOD) == GOOD
-    filled = validate_config({"reducer": "powersgd"})
-    assert filled["reducer"] == "powersgd" and set(filled) == set(GOOD)
+    # The defaults are the study's recipe (rank 32, 8 dense warm-up updates): the bare section runs it.
+    assert validate_config({"reducer": "powersgd"}) == GOOD
     assert validate_config(None)["reducer"] == "dense"
 
 

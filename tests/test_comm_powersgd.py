@@ -1,4 +1,4 @@
-"""PowerSGD against the dense reducer on two real gloo ranks: warm-up, exactness, error feedback, placement, resume, bytes."""
+"""PowerSGD against the dense reducer on two and three real gloo ranks: warm-up, exactness, error feedback, placement, resume, bytes."""
 
 from __future__ import annotations
 
@@ -103,29 +103,41 @@ def reference_scenario(rank: int, world: int) -> dict:
             "compressed": [r["compressed"] for r in psgd.ledger.records]}
 
 
+def disagree_scenario(rank: int, world: int) -> dict:
+    """The last rank built 'b.weight' with another shape: register() must stop every rank, naming it."""
+    from nshard.comm import RanksDisagree, build_reducer
+
+    shapes = {**SHAPES, "b.weight": (16, 25)} if rank == world - 1 else SHAPES
+    messages = {}
+    for name in ("dense", "powersgd"):
+        try:
+            build_reducer({**CONFIG, "reducer": name}).register(shapes)
+            messages[name] = None
+        except RanksDisagree as exc:
+            messages[name] = str(exc)
+    return messages
+
+
 def all_scenarios(rank: int, world: int) -> dict:
-    # One spawn for the whole file: starting two ranks (two torch imports on two cores) costs ~5 s.
+    # One spawn per world size for the whole file: starting ranks (torch imports on two cores) costs ~5 s.
     return {
         "fp32": core_scenario(rank, world, "float32", CONFIG["dense_warmup_updates"]),
         "bf16": core_scenario(rank, world, "bfloat16", 0),  # no warm-up: dense bf16 rounding has no feedback
         "exact": exact_scenario(rank, world),
         "reference": reference_scenario(rank, world),
+        "disagree": disagree_scenario(rank, world),
     }
 
 
-@pytest.fixture(scope="module")
-def two_ranks():
-    return run_ranks(all_scenarios, 2)
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def ranks(request):
+    return run_ranks(all_scenarios, request.param)
 
 
 @pytest.fixture(scope="module")
-def fp32_run(two_ranks):
-    return [r["fp32"] for r in two_ranks]
+def fp32_run(ranks):
+    return [r["fp32"] for r in ranks]
 
-
-@pytest.fixture(scope="module")
-def bf16_run(two_ranks):
-    return [r["bf16"] for r in two_ranks]
 
 
 def assert_all_equal(a: dict, b: dict) -> None:
@@ -142,17 +154,18 @@ def test_warmup_updates_are_bit_identical_to_dense(fp32_run):
         assert not torch.equal(result["outputs"]["device"][2]["a.weight"], result["outputs"]["dense"][2]["a.weight"])
 
 
-@pytest.mark.parametrize("run", ["fp32_run", "bf16_run"])
-def test_ranks_end_every_update_with_identical_outputs(run, request):
-    rank0, rank1 = request.getfixturevalue(run)
-    for key in ("dense", "device", "host"):
-        for out0, out1 in zip(rank0["outputs"][key], rank1["outputs"][key]):
-            assert_all_equal(out0, out1)
+@pytest.mark.parametrize("kind", ["fp32", "bf16"])
+def test_ranks_end_every_update_with_identical_outputs(kind, ranks):
+    rank0, *others = [r[kind] for r in ranks]
+    for other in others:
+        for key in ("dense", "device", "host"):
+            for out0, out1 in zip(rank0["outputs"][key], other["outputs"][key]):
+                assert_all_equal(out0, out1)
 
 
-@pytest.mark.parametrize("run", ["fp32_run", "bf16_run"])
-def test_device_and_host_error_feedback_are_bit_identical(run, request):
-    for result in request.getfixturevalue(run):
+@pytest.mark.parametrize("kind", ["fp32", "bf16"])
+def test_device_and_host_error_feedback_are_bit_identical(kind, ranks):
+    for result in [r[kind] for r in ranks]:
         for out_device, out_host in zip(result["outputs"]["device"], result["outputs"]["host"]):
             assert_all_equal(out_device, out_host)
         device, host = result["state"]["device"], result["state"]["host"]
@@ -162,19 +175,19 @@ def test_device_and_host_error_feedback_are_bit_identical(run, request):
         assert all(e.dtype == torch.float32 for e in device["errors"].values())
 
 
-def _mean_grad_sum(dtype) -> dict[str, torch.Tensor]:
-    return {name: sum((grads_for(0, t, dtype)[name].double() + grads_for(1, t, dtype)[name].double()) / 2
+def _mean_grad_sum(dtype, world: int) -> dict[str, torch.Tensor]:
+    return {name: sum(sum(grads_for(r, t, dtype)[name].double() for r in range(world)) / world
                       for t in range(UPDATES)) for name in SHAPES}
 
 
-@pytest.mark.parametrize("run,dtype", [("fp32_run", torch.float32), ("bf16_run", torch.bfloat16)])
-def test_error_feedback_loses_nothing(run, dtype, request):
+@pytest.mark.parametrize("kind,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_error_feedback_loses_nothing(kind, dtype, ranks):
     """sum of outputs + mean of final errors == sum over updates of the mean gradient."""
-    results = request.getfixturevalue(run)
-    want = _mean_grad_sum(dtype)
+    results = [r[kind] for r in ranks]
+    want = _mean_grad_sum(dtype, len(results))
     for name in COMPRESSED:
         outputs = sum(out[name].double() for out in results[0]["outputs"]["device"])
-        errors = sum(r["state"]["device"]["errors"][name].double() for r in results) / 2
+        errors = sum(r["state"]["device"]["errors"][name].double() for r in results) / len(results)
         torch.testing.assert_close(outputs + errors, want[name], rtol=1e-5, atol=1e-5)
 
 
@@ -207,8 +220,8 @@ def test_ledger_bytes_follow_the_formula(fp32_run):
                     4 * r * (n + m) for n, m, r in COMPRESSED.values())
 
 
-def test_full_rank_powersgd_equals_dense_average(two_ranks):
-    for result in (r["exact"] for r in two_ranks):
+def test_full_rank_powersgd_equals_dense_average(ranks):
+    for result in (r["exact"] for r in ranks):
         assert result["compressed"] == [True, True, True]
         for want, got in result["pairs"]:
             for name in want:
@@ -247,11 +260,11 @@ def powersgd_float64(world: int = 2) -> tuple[list[dict], list[dict], list[dict]
     return outputs, qs, errors
 
 
-def test_below_full_rank_powersgd_matches_a_float64_reference(two_ranks):
-    """Outputs, warm-started Q and error feedback of every update agree with the reference on both ranks."""
-    want_outputs, want_qs, want_errors = powersgd_float64()
+def test_below_full_rank_powersgd_matches_a_float64_reference(ranks):
+    """Outputs, warm-started Q and error feedback of every update agree with the reference on every rank."""
+    want_outputs, want_qs, want_errors = powersgd_float64(len(ranks))
     assert set(want_qs[-1]) == {name for name, s in REF_SHAPES.items() if len(s) == 2}
-    for rank, result in enumerate(r["reference"] for r in two_ranks):
+    for rank, result in enumerate(r["reference"] for r in ranks):
         assert result["compressed"] == [False] + [True] * (REF_UPDATES - 1)
         for update, (got, want) in enumerate(zip(result["outputs"], want_outputs)):
             for name in REF_SHAPES:
@@ -264,3 +277,11 @@ def test_below_full_rank_powersgd_matches_a_float64_reference(two_ranks):
         for name in want_errors[rank]:
             torch.testing.assert_close(result["errors"][name].double(), want_errors[rank][name],
                                        rtol=1e-5, atol=1e-5, msg=f"rank {rank} error of {name}")
+
+
+def test_ranks_with_different_parameters_stop_at_register_naming_the_parameter(ranks):
+    last = len(ranks) - 1
+    for messages in (r["disagree"] for r in ranks):
+        for name in ("dense", "powersgd"):
+            assert messages[name] == (f"ranks hold different parameters: 'b.weight' is shape (16, 24) on rank 0 "
+                                      f"and shape (16, 25) on rank {last}; every rank must build the same model")

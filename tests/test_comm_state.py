@@ -20,6 +20,9 @@ class LoopbackTransport:
     def all_reduce_sum_(self, tensor):
         return tensor.numel() * tensor.element_size()
 
+    def all_gather_object(self, obj):
+        return [obj]
+
 
 def grads(shapes: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
@@ -86,6 +89,45 @@ def test_dense_reducer_checks_shapes_on_load():
     other.reduce(grads({"layer.weight": (8, 12)}))
     with pytest.raises(ValueError, match="'layer.bias'"):
         other.load_state_dict(dense.state_dict())
+
+
+def test_all_zero_update_keeps_the_warm_start_q_usable():
+    """A first compressed update with a zero gradient (and zero error) averages to a zero Q. Kept, the
+    next P = M Q would be zero and its QR a fixed set of axes; instead the previous Q stays, so the next
+    update matches a reducer that never saw the zero one, bit for bit."""
+    zeroed, fresh = PowerSGDReducer(CONFIG, LoopbackTransport()), PowerSGDReducer(CONFIG, LoopbackTransport())
+    zero = {"layer.weight": torch.zeros(8, 12), "layer.bias": torch.zeros(8)}
+    zeroed.reduce(zero)
+    assert torch.equal(zero["layer.weight"], torch.zeros(8, 12))
+    assert zeroed.state_dict()["q"]["layer.weight"].abs().sum() > 0
+    after_zero, first = grads(SHAPES, 1), grads(SHAPES, 1)
+    zeroed.reduce(after_zero)
+    fresh.reduce(first)
+    assert torch.equal(after_zero["layer.weight"], first["layer.weight"])
+    assert torch.equal(zeroed.state_dict()["q"]["layer.weight"], fresh.state_dict()["q"]["layer.weight"])
+
+
+def _bf16_delivery(deliver: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the outputs as the optimizer receives them, in bf16) + final error, and the sum of the gradients."""
+    reducer = PowerSGDReducer(CONFIG, LoopbackTransport())
+    if deliver:
+        reducer.deliver_as({"layer.weight": torch.bfloat16, "layer.bias": torch.bfloat16})
+    received, given = torch.zeros(8, 12, dtype=torch.float64), torch.zeros(8, 12, dtype=torch.float64)
+    for seed in range(4):
+        g = grads(SHAPES, seed)
+        given += g["layer.weight"].double()
+        reducer.reduce(g)  # an fp32 buffer, as in the ingest seam; the surrogate backward then casts to bf16
+        received += g["layer.weight"].to(torch.bfloat16).double()
+    return received + reducer.state_dict()["errors"]["layer.weight"].double(), given
+
+
+def test_bf16_delivery_settles_the_error_against_what_the_optimizer_receives():
+    """Error feedback loses nothing of what bf16 parameters receive; settled against the fp32 buffer
+    instead, each update's bf16 rounding would be lost (the contrast shows the check can fail)."""
+    kept, given = _bf16_delivery(deliver=True)
+    torch.testing.assert_close(kept, given, rtol=0, atol=1e-5)
+    lost, given = _bf16_delivery(deliver=False)
+    assert (lost - given).abs().max() > 1e-3
 
 
 def full_rank(**overrides) -> PowerSGDReducer:

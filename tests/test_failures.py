@@ -54,6 +54,7 @@ def test_overwrite_only_replaces_a_run_directory(tmp_path):
     ({"train_batch_size": 7}, "train_batch_size=7"),
     ({"zero_optimization": {"stage": 2, "reduce_scatter": True}, "nshard": {"reducer": "powersgd"}},
      "zero_optimization.reduce_scatter"),
+    ({"managed_gradient_accumulation": False, "nshard": {"reducer": "powersgd"}}, "managed_gradient_accumulation=false"),
 ])
 def test_ds_config_conflicts_fail_before_training(tmp_path, change, key):
     cfg = json.loads((REPO / "ds_configs/dense.json").read_text())

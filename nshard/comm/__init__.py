@@ -3,6 +3,7 @@
 Imports only torch, numpy and (lazily) mpi4py: DeepSpeed stays in nshard/engine.py.
 """
 
+from nshard.comm.agree import RanksDisagree
 from nshard.comm.config import ConfigError, ReducerConfig, validate_config
 from nshard.comm.dense import DenseReducer
 from nshard.comm.ledger import ByteLedger
@@ -17,6 +18,7 @@ __all__ = [
     "MpiTransport",
     "PowerSGDReducer",
     "PowerSGDState",
+    "RanksDisagree",
     "Reducer",
     "ReducerConfig",
     "TorchTransport",

@@ -1,31 +1,23 @@
-"""PowerSGD state as a dict keyed by parameter name, and the checks a saved state must pass before it is loaded."""
+"""The checks a saved PowerSGD state must pass before it is loaded (pure functions of the layout; the
+reducer's own state_dict/load_state_dict in nshard/comm/powersgd.py call them)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Mapping
 
 import torch
 
-from nshard.comm.layout import Layout, build_layout, check_same_shapes, q_block
-
-if TYPE_CHECKING:
-    from nshard.comm.powersgd import PowerSGDReducer, PowerSGDState
+from nshard.comm.layout import Layout, q_block
 
 REQUIRED_KEYS = ("updates", "rng", "shapes", "errors", "q")
 
 
-def powersgd_state_dict(state: PowerSGDState) -> dict[str, Any]:
-    """errors: fp32, parameter-shaped, live references; q: (m, r) copies; rng: the projection generator's state."""
-    layout = state.layout
-    shapes = layout.shapes if layout else {}
-    return {
-        "updates": state.updates,
-        "rng": state.generator.get_state(),
-        "shapes": {name: tuple(s) for name, s in shapes.items()},
-        "errors": {name: e.view(shapes[name]) for name, e in state.errors.tensors.items()},
-        "q": {} if state.q_flat is None else {s.name: q_block(state.q_flat, s).clone() for s in layout.matrices},
-        "ledger": state.ledger.state_dict(),
-    }
+def check_header(saved: Mapping) -> None:
+    missing = [key for key in REQUIRED_KEYS if key not in saved]
+    if missing:
+        raise ValueError(f"state_dict lacks {missing}; it is not a PowerSGD reducer state")
+    if not (isinstance(saved["rng"], torch.Tensor) and saved["rng"].dtype == torch.uint8):
+        raise ValueError("state_dict rng is not a torch.Generator state (uint8 tensor)")
 
 
 def _expected_shapes(layout: Layout | None, part: str) -> dict[str, torch.Size]:
@@ -53,34 +45,10 @@ def check_part(layout: Layout | None, saved: Mapping[str, torch.Tensor], part: s
             )
 
 
-def _assemble_q(layout: Layout, saved_q: Mapping[str, torch.Tensor], like: torch.Tensor | None) -> torch.Tensor:
+def assemble_q(layout: Layout, saved_q: Mapping[str, torch.Tensor], like: torch.Tensor | None) -> torch.Tensor:
+    """The flat Q buffer from per-name (m, r) blocks, on the device of the buffer it replaces."""
     device = like.device if like is not None else torch.device("cpu")
     q_flat = torch.empty(layout.q_numel, dtype=torch.float32, device=device)
     for slot in layout.matrices:
         q_block(q_flat, slot).copy_(saved_q[slot.name])
     return q_flat
-
-
-def load_powersgd_state_dict(reducer: PowerSGDReducer, saved: Mapping[str, Any]) -> None:
-    """Check everything first, then replace the state: a refused load leaves the reducer untouched."""
-    missing = [key for key in REQUIRED_KEYS if key not in saved]
-    if missing:
-        raise ValueError(f"state_dict lacks {missing}; it is not a PowerSGD reducer state")
-    if not (isinstance(saved["rng"], torch.Tensor) and saved["rng"].dtype == torch.uint8):
-        raise ValueError("state_dict rng is not a torch.Generator state (uint8 tensor)")
-    state = reducer.state
-    layout = state.layout
-    if saved["shapes"] and layout is None:  # a state saved before any reduce carries no shapes
-        layout = build_layout(saved["shapes"], state.rank, state.min_compression_rate)
-    elif saved["shapes"]:
-        check_same_shapes(layout.shapes, saved["shapes"], "state_dict")
-    check_part(layout, saved["errors"], "errors")
-    check_part(layout, saved["q"], "q")
-    if saved["shapes"]:
-        reducer.register(saved["shapes"], "state_dict")
-    state.updates = int(saved["updates"])
-    state.generator.set_state(saved["rng"])
-    state.errors.load({name: e.reshape(e.shape[0], -1) for name, e in saved["errors"].items()})
-    state.q_flat = _assemble_q(state.layout, saved["q"], state.q_flat) if saved["q"] else None
-    if "ledger" in saved:
-        state.ledger.load_state_dict(saved["ledger"])

@@ -27,10 +27,10 @@ class ReducerConfig:
 
     reducer: str = "dense"
     """"dense" (plain flat all-reduce) or "powersgd" (low-rank compression with error feedback)."""
-    rank: int = 4
-    """PowerSGD approximation rank r; each compressed (n, m) gradient sends r*(n+m) floats."""
-    dense_warmup_updates: int = 10
-    """Updates reduced densely before compression starts (early training is sensitive to bias)."""
+    rank: int = 32
+    """PowerSGD approximation rank r; each compressed (n, m) gradient sends r*(n+m) floats (the study's 32)."""
+    dense_warmup_updates: int = 8
+    """Updates reduced densely before compression starts (early training is sensitive to bias; the study's 8)."""
     min_compression_rate: float = 2.0
     """Compress an (n, m) matrix only if r*(n+m)*min_compression_rate <= n*m."""
     error_feedback: str = "device"
@@ -72,7 +72,7 @@ def field_problems(config: ReducerConfig) -> list[str]:
         _choice_problem("transport", config.transport, TRANSPORTS),
     ]
     if not (_is_int(config.rank) and config.rank >= 1):
-        problems.append(f"nshard.rank is {config.rank!r}; set it to an integer >= 1 (e.g. 4)")
+        problems.append(f"nshard.rank is {config.rank!r}; set it to an integer >= 1 (e.g. 32)")
     if not (_is_int(config.dense_warmup_updates) and config.dense_warmup_updates >= 0):
         problems.append(
             f"nshard.dense_warmup_updates is {config.dense_warmup_updates!r}; "

@@ -6,6 +6,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from nshard.comm.agree import agree_on_shapes
 from nshard.comm.layout import check_same_shapes
 from nshard.comm.ledger import ByteLedger
 from nshard.comm.transport import Transport
@@ -62,12 +63,19 @@ class DenseReducer:
         self.ledger = ByteLedger()
         self.updates = 0
 
-    def register(self, named_shapes: Mapping[str, Sequence[int]]) -> None:
-        self.registry.register(named_shapes)
+    def register(self, named_shapes: Mapping[str, Sequence[int]], source: str = "register()") -> None:
+        """The first call checks that every rank holds the same parameter set (a collective)."""
+        if self.registry.shapes is None:
+            agree_on_shapes(named_shapes, self.transport)
+        self.registry.register(named_shapes, source)
+
+    def deliver_as(self, dtypes: Mapping[str, torch.dtype]) -> None:
+        """Nothing to do: dense averaging keeps no error memory, and the rounding to the delivered dtype
+        is the same as after DeepSpeed's own all-reduce."""
 
     def reduce(self, named_grads: Mapping[str, torch.Tensor]) -> None:
         grads = sorted_grads(named_grads)
-        self.registry.register({n: g.shape for n, g in grads.items()}, "reduce() gradients")
+        self.register({n: g.shape for n, g in grads.items()}, "reduce() gradients")
         sent = all_reduce_mean_(list(grads.values()), self.transport)
         self.ledger.record(self.updates, False, dense=sent)
         self.updates += 1
@@ -82,6 +90,6 @@ class DenseReducer:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state["shapes"]:  # a state saved before any reduce carries no shapes to check
-            self.registry.register(state["shapes"], "state_dict")
+            self.register(state["shapes"], "state_dict")
         self.updates = int(state["updates"])
         self.ledger.load_state_dict(state["ledger"])

@@ -46,7 +46,9 @@ class ErrorMemory:
         raise NotImplementedError
 
     def settle(self, name: str, m: torch.Tensor, delivered_2d: torch.Tensor) -> None:
-        """New error = M - what the gradient now holds (so bf16 rounding of the output is fed back too)."""
+        """New error = M - what the gradient now holds: the output as the optimizer receives it, rounded to
+        bf16 when the gradient is bf16 or the reducer was told (deliver_as) that bf16 parameters take it,
+        so that rounding is fed back too."""
         raise NotImplementedError
 
 

@@ -12,11 +12,12 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from nshard.comm.checkpoint import load_powersgd_state_dict, powersgd_state_dict
+from nshard.comm.agree import agree_on_shapes
+from nshard.comm.checkpoint import assemble_q, check_header, check_part
 from nshard.comm.config import ReducerConfig
 from nshard.comm.dense import ShapeRegistry, all_reduce_mean_, sorted_grads
 from nshard.comm.feedback import ErrorMemory, build_error_memory
-from nshard.comm.layout import Layout, MatrixSlot, build_layout, p_block, p_group, q_block
+from nshard.comm.layout import Layout, MatrixSlot, build_layout, check_same_shapes, p_block, p_group, q_block
 from nshard.comm.ledger import ByteLedger
 from nshard.comm.transport import Transport
 
@@ -38,6 +39,8 @@ class PowerSGDState:
     q_flat: torch.Tensor | None = None
     p_flat: torch.Tensor | None = None  # scratch, reallocated only if the device changes
     updates: int = 0
+    # Set by the engine seam, not saved: the dtype the optimizer receives each gradient in.
+    delivered_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     # Statistics.
     ledger: ByteLedger = field(default_factory=ByteLedger)
 
@@ -84,8 +87,15 @@ def decompress(p: torch.Tensor, q: torch.Tensor, grad: torch.Tensor) -> None:
         grad.copy_(torch.matmul(p, q.T).view(grad.shape))
 
 
+def round_to_delivered(grad: torch.Tensor, dtype: torch.dtype | None) -> None:
+    """Round the output to the dtype the optimizer will receive it in (bf16 parameters fed from an fp32
+    buffer), so the error settles against what is applied, not against a value nobody sees."""
+    if dtype is not None and dtype != grad.dtype:
+        grad.copy_(grad.to(dtype))
+
+
 def update_error(state: PowerSGDState, slot: MatrixSlot, m: torch.Tensor, grad: torch.Tensor) -> None:
-    """Error = M - the output as delivered in the gradient's own dtype."""
+    """Error = M - the output as delivered (in the gradient's dtype, rounded to the delivered dtype)."""
     state.errors.settle(slot.name, m, as_matrix(grad))
 
 
@@ -94,7 +104,19 @@ def decompress_all(state: PowerSGDState, grads: Mapping[str, torch.Tensor]) -> N
         grad = grads[slot.name]
         m = state.errors.matrix(slot.name, as_matrix(grad))  # before the gradient is overwritten
         decompress(p_block(state.p_flat, slot), q_block(state.q_flat, slot), grad)
+        round_to_delivered(grad, state.delivered_dtypes.get(slot.name))
         update_error(state, slot, m, grad)
+
+
+def keep_usable_q(state: PowerSGDState, previous: torch.Tensor) -> None:
+    """A matrix whose averaged Q is all zero (M = 0 on every rank: zero gradient and error) keeps its
+    previous Q. A zero Q would make the next P = M Q zero, and the QR of zero is a fixed set of axes,
+    so the next update would project onto the first r coordinates instead of a warm-started subspace."""
+    slots = state.layout.matrices
+    zero = torch.stack([~q_block(state.q_flat, s).any() for s in slots]).tolist()  # one device sync
+    for slot, is_zero in zip(slots, zero):
+        if is_zero:
+            q_block(state.q_flat, slot).copy_(q_block(previous, slot))
 
 
 def prepare_buffers(state: PowerSGDState, device: torch.device) -> None:
@@ -122,10 +144,13 @@ def compressed_update(state: PowerSGDState, grads: Mapping[str, torch.Tensor], t
     compute_p(state, grads)
     p_sent = transport.all_reduce_sum_(state.p_flat)  # a sum: orthogonalization removes the scale
     orthogonalize(state)
+    previous_q = state.q_flat.clone() if state.warm_start else None
     compute_q(state, grads)
     q_sent = transport.all_reduce_sum_(state.q_flat)
     state.q_flat.div_(transport.world_size)
-    decompress_all(state, grads)
+    decompress_all(state, grads)  # with this update's Q: a zero Q gives the zero output it should
+    if previous_q is not None:
+        keep_usable_q(state, previous_q)
     state.ledger.record(state.updates, True, dense=dense_sent, p=p_sent, q=q_sent)
 
 
@@ -156,10 +181,17 @@ class PowerSGDReducer:
         return self.state.ledger
 
     def register(self, named_shapes: Mapping[str, Sequence[int]], source: str = "register()") -> None:
-        """Fix the parameter names and shapes (and so the compression plan) before the first update."""
+        """Fix the parameter names and shapes (and so the compression plan) before the first update;
+        the first call checks that every rank holds the same set (a collective: all ranks call it)."""
         state = self.state
+        if state.registry.shapes is None:
+            agree_on_shapes(named_shapes, self.transport)
         if state.registry.register(named_shapes, source):
             state.layout = build_layout(state.registry.shapes, state.rank, state.min_compression_rate)
+
+    def deliver_as(self, dtypes: Mapping[str, torch.dtype]) -> None:
+        """The dtype the optimizer receives each gradient in, when it differs from the reduced buffer's."""
+        self.state.delivered_dtypes = dict(dtypes)
 
     def reduce(self, named_grads: Mapping[str, torch.Tensor]) -> None:
         """Average the gradients over ranks in place: dense during warm-up, PowerSGD after."""
@@ -174,9 +206,36 @@ class PowerSGDReducer:
         state.updates += 1
 
     def state_dict(self) -> dict[str, Any]:
-        """Errors are live references (like nn.Module.state_dict); Q blocks are copies of the flat buffer."""
-        return powersgd_state_dict(self.state)
+        """errors: fp32, parameter-shaped, live references (like nn.Module.state_dict); q: (m, r) copies;
+        rng: the projection generator's state; keyed by parameter name, so a re-bucketing cannot misplace them."""
+        state, layout = self.state, self.state.layout
+        shapes = layout.shapes if layout else {}
+        return {
+            "updates": state.updates,
+            "rng": state.generator.get_state(),
+            "shapes": {name: tuple(s) for name, s in shapes.items()},
+            "errors": {name: e.view(shapes[name]) for name, e in state.errors.tensors.items()},
+            "q": {} if state.q_flat is None else {s.name: q_block(state.q_flat, s).clone() for s in layout.matrices},
+            "ledger": state.ledger.state_dict(),
+        }
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
-        """Restore a saved state; refuses, naming the parameter, one whose names or shapes differ."""
-        load_powersgd_state_dict(self, saved)
+        """Restore a saved state; refuses, naming the parameter, one whose names or shapes differ.
+        Everything is checked first, so a refused load leaves the reducer untouched."""
+        check_header(saved)
+        state = self.state
+        layout = state.layout
+        if saved["shapes"] and layout is None:  # a state saved before any reduce carries no shapes
+            layout = build_layout(saved["shapes"], state.rank, state.min_compression_rate)
+        elif saved["shapes"]:
+            check_same_shapes(layout.shapes, saved["shapes"], "state_dict")
+        check_part(layout, saved["errors"], "errors")
+        check_part(layout, saved["q"], "q")
+        if saved["shapes"]:
+            self.register(saved["shapes"], "state_dict")
+        state.updates = int(saved["updates"])
+        state.generator.set_state(saved["rng"])
+        state.errors.load({name: e.reshape(e.shape[0], -1) for name, e in saved["errors"].items()})
+        state.q_flat = assemble_q(state.layout, saved["q"], state.q_flat) if saved["q"] else None
+        if "ledger" in saved:
+            state.ledger.load_state_dict(saved["ledger"])

@@ -6,7 +6,7 @@ from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 
-from nshard.comm.config import parse_config
+from nshard.comm.config import ReducerConfig, parse_config
 from nshard.comm.dense import DenseReducer
 from nshard.comm.ledger import ByteLedger
 from nshard.comm.powersgd import PowerSGDReducer
@@ -23,6 +23,10 @@ class Reducer(Protocol):
         """Fix names and shapes up front; otherwise the first reduce() does, and later calls are checked."""
         ...
 
+    def deliver_as(self, dtypes: Mapping[str, torch.dtype]) -> None:
+        """The dtype the optimizer receives each gradient in (error feedback settles against it)."""
+        ...
+
     def reduce(self, named_grads: Mapping[str, torch.Tensor]) -> None:
         """One call per update; names are processed in sorted order so collectives match across ranks."""
         ...
@@ -32,9 +36,10 @@ class Reducer(Protocol):
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
-def build_reducer(config: Mapping[str, Any] | None, group: Any = None, all_reduce: Any = None) -> Reducer:
-    """A reducer for the "nshard" section; the config is validated before any transport is touched."""
-    parsed = parse_config(config)
+def build_reducer(config: ReducerConfig | Mapping[str, Any] | None, group: Any = None,
+                  all_reduce: Any = None) -> Reducer:
+    """A reducer for the parsed "nshard" section (a raw mapping is parsed here, before any transport is touched)."""
+    parsed = config if isinstance(config, ReducerConfig) else parse_config(config)
     transport = build_transport(parsed.transport, group, all_reduce)
     if parsed.reducer == "dense":
         return DenseReducer(transport)

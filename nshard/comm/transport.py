@@ -21,6 +21,10 @@ class Transport(Protocol):
         """Sum `tensor` in place over all ranks; return the bytes this rank handed to the collective."""
         ...
 
+    def all_gather_object(self, obj: Any) -> list:
+        """Every rank's picklable `obj`, by rank (small agreement checks only; not counted as gradient bytes)."""
+        ...
+
 
 def payload_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
@@ -48,6 +52,11 @@ class TorchTransport:
         self._all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         return payload_bytes(tensor)
 
+    def all_gather_object(self, obj: Any) -> list:
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
+
 
 class MpiTransport:
     """mpi4py Allreduce on numpy views of host tensors; `comm` defaults to COMM_WORLD."""
@@ -70,6 +79,9 @@ class MpiTransport:
         if sent is not tensor:
             tensor.copy_(sent)
         return array.nbytes
+
+    def all_gather_object(self, obj: Any) -> list:
+        return self.comm.allgather(obj)
 
 
 def build_transport(name: str, group: Any = None, all_reduce: Callable | None = None) -> Transport:
