@@ -340,20 +340,24 @@ def write_plots(results: dict, out: Path) -> list[Path]:
     ax.legend()
     paths.append(_save(fig, out / "accuracy_per_family.png"))
 
-    for key, ylabel, name, log in (("loss", "training loss (global, nats/token)", "loss_per_update.png", False),
-                                   ("bytes", "bytes handed to gradient collectives, all ranks", "bytes_per_update.png",
-                                    True)):
+    for key, title, ylabel, name, log in (
+            ("loss", "Training loss per update", "global loss, nats per target token", "loss_per_update.png", False),
+            ("bytes", "Gradient bytes per update", "bytes handed to gradient collectives, all ranks",
+             "bytes_per_update.png", True)):
         fig, ax = plt.subplots(figsize=(8, 4.5))
         for arm in results["arms"]:
             if arm["status"] != "complete":
                 continue
             ys = ([m["loss"] for m in arm["metrics"]] if key == "loss" else arm["execution"]["update_bytes"])
+            if log and not any(ys):  # one rank sends nothing: no point on a log axis
+                ax.plot([], [], " ", label=f"{arm['name']}: 0 bytes")
+                continue
             ax.plot(range(1, len(ys) + 1), ys, marker="o", markersize=3, label=arm["name"])
         if log:
-            ax.set_yscale("symlog", linthresh=1.0)
+            ax.set_yscale("log")
         ax.set_xlabel("update")
         ax.set_ylabel(ylabel)
-        ax.set_title(f"{ylabel.split(',')[0].capitalize()} per update{tag}")
+        ax.set_title(f"{title}{tag}")
         ax.legend()
         paths.append(_save(fig, out / name))
     return paths
