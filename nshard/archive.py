@@ -26,6 +26,8 @@ import tarfile
 import tempfile
 from pathlib import Path, PurePosixPath
 
+from nshard.files import publish_dir
+
 INDEX = "index.json"
 FORMAT = "nshard-evidence/1"
 RUN_SUBDIRS = ("prepared", "receipts")
@@ -254,10 +256,7 @@ def extract(archive: Path, dest: Path, expected_sha256: str | None = None) -> di
             path = tmp / name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
-            os.chmod(path, 0o644)
-        for d in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
-            os.chmod(d, 0o755)
-        tmp.rename(dest)
+        publish_dir(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -7,7 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from nshard.files import file_sha256
+from nshard.files import file_sha256, make_readable
 
 MANIFEST = "manifest.json"
 FORMAT = "nshard-export/1"
@@ -31,14 +31,6 @@ def source_commit(repo: Path = REPO) -> dict:
     except (OSError, subprocess.TimeoutExpired):  # no git on this host, or a hung repository
         return {"commit": None, "dirty": None}
     return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip()) if status.returncode == 0 else None}
-
-
-def make_readable(model_dir: Path) -> None:
-    """0755 directories and 0644 files: save_pretrained leaves model.safetensors 0600 (a private temp file)."""
-    os.chmod(model_dir, 0o755)
-    for path in Path(model_dir).rglob("*"):
-        if not path.is_symlink():
-            os.chmod(path, 0o755 if path.is_dir() else 0o644)
 
 
 def _file_table(model_dir: Path) -> dict:

@@ -22,6 +22,20 @@ def write_json_atomic(path: Path, obj) -> None:
     tmp.replace(path)
 
 
+def make_readable(root: Path) -> None:
+    """0755 directories and 0644 files under `root` (save_pretrained and mkstemp leave files 0600)."""
+    os.chmod(root, 0o755)
+    for path in Path(root).rglob("*"):
+        if not path.is_symlink():
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+
+
+def publish_dir(tmp: Path, dest: Path) -> None:
+    """A finished temp directory becomes readable by others and takes its final name in one rename."""
+    make_readable(tmp)
+    Path(tmp).rename(dest)
+
+
 def file_sha256(path: str | Path) -> str:
     """SHA-256 of a file, read in 1 MiB chunks (model weights are gigabytes)."""
     h = hashlib.sha256()

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Iterator, Protocol
 
-from nshard.files import file_sha256
+from nshard.files import file_sha256, publish_dir
 
 INDEX = "index.json"
 INDEX_FORMAT = "nshard-store/1"
@@ -275,10 +275,7 @@ def pull(backend: Backend, dest: Path) -> dict:
                 raise StoreError(f"object {key} ({rel}) could not be read: {exc}") from None
             if found != entry["sha256"]:
                 raise StoreError(f"object {key} ({rel}) has sha256 {found}; not pulled")
-            os.chmod(target, 0o644)
-        for d in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
-            os.chmod(d, 0o755)
-        tmp.rename(dest)
+        publish_dir(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
