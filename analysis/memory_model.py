@@ -16,8 +16,10 @@ PowerSGD-compressed matrices, D = P - C, N ranks, L the largest tensor):
 - master: fp32 master weights (ZeRO's single_partition_of_fp32_groups, 4P/N; 0 at stage 0 fp32).
 - comm: flat buffers that exist only while reducing (stage-0 bucket 4*min(P, 5e8); a dense flat
   all-reduce of the reducer's remainder, 4D; 4P when a dense warm-up update runs with state allocated).
-- transient: autograd's simultaneous gradients in the ingest seam (torch.autograd.grad returns all of
-  them, 4P, and the heap keeps that high-water mark: measured), AdamW's temporaries (two tensors the
+- transient: the ingest seam's one gradient at a time (a parameter hook sums each into its accumulator
+  as autograd produces it, so one largest tensor, w*L, is what the heap keeps; before issue 9 item 2
+  torch.autograd.grad returned all of them at once, 4P, and the heap kept that high-water mark), the
+  hand-over's per-parameter gradient for DeepSpeed's hook (w*L), AdamW's temporaries (two tensors the
   size of what one step call sees), activations.
 Peak = the largest of the phases (backward, reduce, step), each the sum of the parts alive in it.
 """
@@ -66,7 +68,10 @@ class Config:
     min_compression_rate: float = 2.0
     dense_update_with_state: bool = False  # a dense warm-up update after the first one (warm-up >= 2)
     tokens_per_microbatch: int = 256
-    item2: bool = False  # the ingest path after issue 9 item 2 (see README "Pooled memory")
+    # The rest of issue 9 item 2, not implemented: compressed matrices' microbatch sums folded straight into
+    # the error memory (exact only with one microbatch per update), so the accumulators hold only the
+    # dense remainder. False: the ingest seam as it is (nshard/seam.py).
+    item2: bool = False
 
     @property
     def name(self) -> str:
@@ -117,7 +122,7 @@ def phases(shapes: Shapes, c: Config) -> dict[str, dict[str, float]]:
         base["comm"] = 0  # same bytes on CPU; on GPU they leave the device (see device_bytes)
     ingest = c.reducer == "powersgd" and pooled
     if ingest and not c.item2:
-        base["accumulators"] = 4 * P
+        base["accumulators"] = 4 * P  # IngestSeam.accumulated: kept apart from the error so M rounds as before
     elif ingest and c.item2:
         base["accumulators"] = 4 * D  # microbatch sums of the dense remainder only; matrices sum into the error
     act = activation_bytes(shapes, c.tokens_per_microbatch, c.bf16)
@@ -139,16 +144,16 @@ def phases(shapes: Shapes, c: Config) -> dict[str, dict[str, float]]:
         grads_step = {"grads": 4 * P}
     out = {}
     if ingest:
-        # torch.autograd.grad hands back every gradient at once (item 2: a hook folds each into the error
-        # memory as it is produced, one tensor at a time). Measured (RSS sampled around each call): that
-        # memory is not given back once freed: per-parameter tensors (< glibc's 32 MiB mmap threshold)
-        # come from the heap, which keeps its high-water mark, so it stays in every later phase.
-        held = w * L if c.item2 else w * P
+        # A parameter hook sums each gradient into its accumulator as autograd produces it, so one
+        # gradient exists at a time. Freed per-parameter tensors (< glibc's 32 MiB mmap threshold) go
+        # back to the heap, which keeps its high-water mark: the largest one stays in every later phase.
+        # (Before item 2 torch.autograd.grad returned all of them at once and the heap kept w*P.)
+        held = w * L
         out["backward"] = {**base, "transient": act + held}
         out["reduce"] = {**base, "comm": 4 * D + (4 * P if c.dense_update_with_state else 0), "transient": held}
-        # surrogate backward: DeepSpeed copies each handed-over gradient into its bucket and owned partition
-        out["hand-over"] = {**base, **grads_backward,
-                            "transient": held + (0 if c.item2 else 4 * L) + (2 * P if c.bf16 and not c.item2 else 0)}
+        # HandOver backward: each parameter's reduced gradient (w*L; bf16 also its rounded copy) goes to
+        # DeepSpeed's hook, which copies it into its bucket and owned partition
+        out["hand-over"] = {**base, **grads_backward, "transient": held + w * L * (2 if c.bf16 else 1)}
         out["step"] = {**base, **grads_step, "transient": step_temps + held}
     else:
         out["backward"] = {**base, **grads_backward, "transient": act}
@@ -315,7 +320,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=None, help="predict for a SmolLM2-1.7B-shaped model of LAYERS")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=256, help="tokens per microbatch (activations)")
-    parser.add_argument("--item2", action="store_true", help="also predict the ingest path after item 2")
+    parser.add_argument("--item2", action="store_true", help="also predict the rest of item 2 (matrix sums folded into the error memory)")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
     if args.measured:

@@ -81,12 +81,16 @@ class IngestSeam(ReducerSeam):
 
     ZeRO-2 reduces at every micro-step (compressing partial sums is not the study's algorithm) and
     bf16 optimizers copy .grad into fp32 buffers of their own during backward, so .grad after
-    backward is not what the optimizer reads. Instead microbatch gradients are taken with
-    torch.autograd.grad (no DeepSpeed hook fires) and summed in fp32; the reducer averages them;
-    one backward of sum(param * reduced_grad), whose gradient is exactly reduced_grad, hands them to
-    DeepSpeed, whose own reduction engine.py has replaced by a no-op; engine.step() updates.
-    DeepSpeed runs with gradient_accumulation_steps=1: it sees one micro-step per update.
-    Cost: one fp32 gradient copy per rank on top of DeepSpeed's buffers.
+    backward is not what the optimizer reads. Instead each microbatch's backward runs through
+    torch.autograd.grad (no DeepSpeed hook fires) with a hook on every parameter that adds its
+    gradient to an fp32 sum the moment autograd produces it and hands autograd back a zero-stride
+    zero, so one parameter's gradient exists at a time, not all of them (issue 9 item 2). The
+    reducer averages the sums in place; a backward through HandOver nodes, whose gradient is
+    exactly the reduced sum, hands them to DeepSpeed, whose own reduction engine.py has replaced by a
+    no-op; engine.step() updates. DeepSpeed runs with gradient_accumulation_steps=1: it sees one
+    micro-step per update.
+    Cost: one fp32 sum per parameter on top of DeepSpeed's buffers. The sums are kept apart from
+    PowerSGD's error memory so that M = error + (g1 + g2 + ...) rounds exactly as before.
     """
 
     def __init__(self, engine, reducer, name: str):
@@ -104,15 +108,45 @@ class IngestSeam(ReducerSeam):
         return engine.module(**inputs)
 
     def backward_and_step(self, engine, loss, last: bool) -> None:
-        grads = torch.autograd.grad(loss, list(self.params.values()), allow_unused=True)
-        for acc, g in zip(self.accumulated.values(), grads):
-            if g is not None:
-                acc.add_(g)
+        handles = [p.register_hook(_adder(self.accumulated[n])) for n, p in self.params.items()]
+        try:
+            torch.autograd.grad(loss, list(self.params.values()), allow_unused=True)
+        finally:
+            for handle in handles:
+                handle.remove()
         if not last:
             return
         self.reducer.reduce(self.accumulated)
-        surrogate = sum((p * self.accumulated[n].to(p.dtype)).sum() for n, p in self.params.items())
+        surrogate = sum(HandOver.apply(p, self.accumulated[n]) for n, p in self.params.items())
         engine.backward(surrogate, scale_wrt_gas=False)
         engine.step()
         for acc in self.accumulated.values():
             acc.zero_()
+
+
+def _adder(acc: torch.Tensor):
+    """A parameter hook: add the gradient to its fp32 sum (as `acc.add_(g)` on autograd.grad's result did)
+    and give autograd a zero-stride zero to return instead, so the gradient itself is freed at once."""
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        acc.add_(grad)
+        return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+    return hook
+
+
+class HandOver(torch.autograd.Function):
+    """A zero whose gradient with respect to `param` is `reduced` (in the parameter's dtype), computed as
+    `grad_output * reduced` exactly as the backward of `(param * reduced).sum()` did, but without
+    keeping a parameter-dtype copy of `reduced` in the graph: the copy is made per parameter in
+    backward and handed to DeepSpeed's gradient hooks (AccumulateGrad takes it without cloning)."""
+
+    @staticmethod
+    def forward(ctx, param: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
+        ctx.reduced = reduced
+        return param.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        reduced = ctx.reduced
+        del ctx.reduced
+        param_grad = grad_output * reduced.to(grad_output.dtype)
+        return param_grad, None

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nshard.engine import PRIVATE_ENGINE_ATTRS, PRIVATE_ZERO_ATTRS
-from runs import cached_run, final_params, receipts, tiny_config
+from runs import REPO, cached_run, final_params, receipts, tiny_config
 
 RANK = 2
 POWERSGD = {"reducer": "powersgd", "rank": RANK, "dense_warmup_updates": 1, "min_compression_rate": 2,
@@ -130,3 +130,28 @@ def test_private_deepspeed_attributes_are_where_nshard_expects_them():
     init_src = inspect.getsource(DeepSpeedZeroOptimizer.__init__)
     assert all(f"self.{a} =" in init_src for a in ("reduce_scatter", "overlap_comm")), PRIVATE_ZERO_ATTRS
     assert "self.gradient_reduction_w_predivide(" in inspect.getsource(DeepSpeedZeroOptimizer.average_tensor)
+
+
+# Pinned with the pre-change ingest seam (commit d58d7db: torch.autograd.grad's all-at-once gradients
+# summed into IngestSeam.accumulated, handed over by the backward of sum(p * acc)): the tiny plan at
+# ZeRO-2 + PowerSGD (rank 4, 1 dense warm-up update, 2 ranks, 2 microbatches per update per rank), run
+# by launch() on that tree. ZeRO-1 gave the same root; stage 0 does not (b37385b0..., the reductions
+# sum in another order), so the pin, not stage 0, is the reference. bf16 ZeRO-2: 569d37a7...
+PINNED_ZERO2_POWERSGD_R4_ROOT = "d40b092caddde17a9b7bd144ec576b7c02f188d9516eb7f7e6f9cf088d2a8713"
+PINNED_ZERO2_POWERSGD_R4_BF16_ROOT = "569d37a77a7398103b53f93bb720b65297d22af0783410597c16137e7510d949"
+
+
+@pytest.mark.parametrize("bf16, pinned", [(False, PINNED_ZERO2_POWERSGD_R4_ROOT),
+                                          (True, PINNED_ZERO2_POWERSGD_R4_BF16_ROOT)])
+def test_zero2_powersgd_with_accumulation_keeps_the_pinned_parameter_root(runs_root, bf16, pinned):
+    """Issue 9 item 2 (hooks instead of all-at-once gradients, HandOver instead of sum(p * acc)) changed
+    no bit: the same plan gives the parameter root the earlier ingest seam gave."""
+    from nshard.data import accumulation_steps
+    from nshard.plan import load_plan
+
+    train = load_plan(REPO / "launch/plans/tiny.toml").train
+    assert accumulation_steps(train.global_batch_docs, 2, train.microbatch_docs) > 1  # sums of microbatches
+    name = "psgd-r4-z2" + ("-bf16" if bf16 else "")
+    out = cached_run(runs_root, name, tiny_config(stage=2, nshard=psgd(rank=4), bf16=bf16))
+    assert json.loads((out / "run.json").read_text())["parameter_root"] == pinned
+    assert any(m["compressed"] for m in metrics(out))
