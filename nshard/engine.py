@@ -144,6 +144,14 @@ def _zero_grads_in_place(module: torch.nn.Module) -> None:
             p.grad.zero_()
 
 
+def build_cpu_comm_extension() -> None:
+    """Compile (or load) DeepSpeed's CPU shared-memory collective now; otherwise the first
+    init_distributed on a machine compiles it (~40 s) inside whichever run comes first."""
+    from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+
+    ShareMemCommBuilder().load(verbose=False)
+
+
 def init_distributed() -> None:
     import deepspeed
 
