@@ -14,13 +14,15 @@ import argparse
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from nshard.launch_env import free_port  # noqa: E402
 POWERSGD = {"reducer": "powersgd", "rank": 4, "dense_warmup_updates": 1}
 
 
@@ -33,12 +35,6 @@ def ds_config(stage: int) -> dict:
     config["zero_allow_untested_optimizer"] = True
     config["nshard"] = POWERSGD
     return config
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(out: Path, config: Path, plan: Path, fault: str = "", resume: bool = False) -> int:

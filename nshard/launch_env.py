@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 import os
+import socket
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now, for one job's --master_port (everything defaults to 29500)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def prepare_process_env() -> None:

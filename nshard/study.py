@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from nshard.files import file_sha256, write_json_atomic
+from nshard.launch_env import free_port
 from nshard.plan import REPO_ROOT, ArmSpec, Plan, PlanError, load_plan
 
 
@@ -71,14 +72,6 @@ def arm_is_done(run_dir: Path, plan_sha: str, ds_sha: str, ranks: int) -> bool:
     return (run.get("status") == "complete" and run.get("plan_sha256") == plan_sha
             and run.get("ds_config_sha256") == ds_sha and run.get("world_size") == ranks
             and (run_dir / "model" / "model.safetensors").is_file())
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: dict | None) -> dict:

@@ -6,15 +6,10 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from nshard.launch_env import free_port  # noqa: F401  (tests import it from here)
 
 
 def _child(fn, rank, world_size, port, args, results):
