@@ -337,7 +337,10 @@ def install_reducer(engine, config: ReducerConfig | None):
     else:
         engine.enable_backward_allreduce = False
     ingest = ingest_mode(zero_stage(engine), engine.bfloat16_enabled())
-    return (seam.IngestSeam if ingest else seam.InPlaceSeam)(engine, reducer, config.reducer)
+    if ingest:
+        return seam.IngestSeam(engine, reducer, config.reducer, sum_every_microbatch_into_error=
+                               config.reducer == "powersgd" and config.microbatch_sums == "error")
+    return seam.InPlaceSeam(engine, reducer, config.reducer)
 
 
 REDUCER_LOG_NAME = "nshard_reducer"

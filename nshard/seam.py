@@ -6,6 +6,8 @@ the seam and prepares DeepSpeed for it (the private attributes live there, not h
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -13,6 +15,7 @@ class DeepSpeedReduction:
     """DeepSpeed's own gradient all-reduce; its bytes come from DeepSpeed's comms logger."""
 
     name = "deepspeed"
+    sums = "deepspeed"  # where an update's microbatch gradients are summed
 
     def forward(self, engine, **inputs):
         return engine(**inputs)
@@ -63,6 +66,8 @@ class InPlaceSeam(ReducerSeam):
     gradients accumulate in .grad through engine.backward, and after the last one the reducer
     averages .grad in place before engine.step()."""
 
+    sums = ".grad"
+
     def forward(self, engine, **inputs):
         return engine(**inputs)
 
@@ -85,30 +90,56 @@ class IngestSeam(ReducerSeam):
     torch.autograd.grad (no DeepSpeed hook fires) with a hook on every parameter that adds its
     gradient to an fp32 sum the moment autograd produces it and hands autograd back a zero-stride
     zero, so one parameter's gradient exists at a time, not all of them (issue 9 item 2). The
-    reducer averages the sums in place; a backward through HandOver nodes, whose gradient is
-    exactly the reduced sum, hands them to DeepSpeed, whose own reduction engine.py has replaced by a
-    no-op; engine.step() updates. DeepSpeed runs with gradient_accumulation_steps=1: it sees one
+    reducer averages the sums; a backward through HandOver nodes, whose gradient is exactly the
+    reduced sum, hands them to DeepSpeed, whose own reduction engine.py has replaced by a no-op;
+    engine.step() updates. DeepSpeed runs with gradient_accumulation_steps=1: it sees one
     micro-step per update.
-    Cost: one fp32 sum per parameter on top of DeepSpeed's buffers. The sums are kept apart from
-    PowerSGD's error memory so that M = error + (g1 + g2 + ...) rounds exactly as before.
+
+    Where the sums live:
+    - An update with one microbatch per rank, under PowerSGD with device error memory: each
+      compressed matrix's gradient is added straight into its error memory (M = error + grad, the
+      same single addition the reducer would make), and its averaged output is computed in the
+      HandOver backward that hands it to DeepSpeed, one matrix at a time. Beyond ZeRO's own buffers
+      this path holds only the error memory, P/Q and fp32 sums of the small dense remainder.
+      With nshard.microbatch_sums = "error" updates with several microbatches do the same, adding
+      each into the error memory as it arrives: (e + g1) + g2, which rounds unlike stage 0's e + (g1 + g2).
+    - Otherwise (several microbatches, dense reducer, host error memory): one fp32 sum per parameter,
+      kept apart from the error memory so that M = error + (g1 + g2 + ...) rounds exactly as at stage 0.
+    `sums` names where the last update's sums were.
     """
 
-    def __init__(self, engine, reducer, name: str):
+    def __init__(self, engine, reducer, name: str, sum_every_microbatch_into_error: bool = False):
         super().__init__(engine, reducer, name)
+        self.sum_every_microbatch_into_error = sum_every_microbatch_into_error
         if engine.gradient_accumulation_steps() != 1:
             raise RuntimeError("nshard's ingest seam needs DeepSpeed gradient_accumulation_steps=1 "
                                "(complete_ds_config sets it); got "
                                f"{engine.gradient_accumulation_steps()}")
-        self.accumulated = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                            for n, p in self.params.items()}
+        self.device = next(iter(self.params.values())).device
+        self.accumulated: dict[str, torch.Tensor] = {}  # fp32 sums, made when first needed
+        self.into_error: dict[str, torch.Tensor] = {}  # this update's matrices summed into the error memory
+        self.first = True  # the next microbatch starts an update
+        self.sums = "fp32 sums"
 
     def forward(self, engine, **inputs):
         # The module is called directly: the engine's forward hooks its outputs so that any
         # backward through them (torch.autograd.grad included) runs ZeRO's reduction epilogue.
         return engine.module(**inputs)
 
+    def _sum(self, name: str) -> torch.Tensor:
+        if name in self.into_error:
+            return self.into_error[name]
+        if name not in self.accumulated:
+            self.accumulated[name] = torch.zeros(self.params[name].shape, dtype=torch.float32, device=self.device)
+        return self.accumulated[name]
+
     def backward_and_step(self, engine, loss, last: bool) -> None:
-        handles = [p.register_hook(_adder(self.accumulated[n])) for n, p in self.params.items()]
+        if self.first:  # `last` on the first microbatch: the update has exactly one
+            into_error = last or self.sum_every_microbatch_into_error
+            self.into_error = self.reducer.error_sums(self.device) if into_error else {}
+            self.sums = "error memory" if self.into_error else "fp32 sums"
+        self.first = last
+        handles = [p.register_hook(_adder(self._sum(n))) for n, p in self.params.items()]
         try:
             torch.autograd.grad(loss, list(self.params.values()), allow_unused=True)
         finally:
@@ -116,9 +147,19 @@ class IngestSeam(ReducerSeam):
                 handle.remove()
         if not last:
             return
-        self.reducer.reduce(self.accumulated)
-        surrogate = sum(HandOver.apply(p, self.accumulated[n]) for n, p in self.params.items())
+        update = None
+        if self.into_error:
+            update = self.reducer.reduce_summed({n: self._sum(n) for n in self.params if n not in self.into_error},
+                                                self.device)
+            sources = {n: functools.partial(update.output, n) if n in self.into_error else self._sum(n)
+                       for n in self.params}
+        else:
+            sources = {n: self._sum(n) for n in self.params}
+            self.reducer.reduce(sources)
+        surrogate = sum(HandOver.apply(p, sources[n]) for n, p in self.params.items())
         engine.backward(surrogate, scale_wrt_gas=False)
+        if update is not None:
+            update.finish()
         engine.step()
         for acc in self.accumulated.values():
             acc.zero_()
@@ -134,19 +175,20 @@ def _adder(acc: torch.Tensor):
 
 
 class HandOver(torch.autograd.Function):
-    """A zero whose gradient with respect to `param` is `reduced` (in the parameter's dtype), computed as
+    """A zero whose gradient with respect to `param` is `reduced` (in the parameter's dtype; a callable is
+    called in backward, so an output computed on demand exists only while DeepSpeed's hook takes it), computed as
     `grad_output * reduced` exactly as the backward of `(param * reduced).sum()` did, but without
     keeping a parameter-dtype copy of `reduced` in the graph: the copy is made per parameter in
     backward and handed to DeepSpeed's gradient hooks (AccumulateGrad takes it without cloning)."""
 
     @staticmethod
-    def forward(ctx, param: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
-        ctx.reduced = reduced
+    def forward(ctx, param: torch.Tensor, reduced) -> torch.Tensor:
+        ctx.reduced = reduced  # the reduced tensor, or a callable that computes it when asked
         return param.new_zeros(())
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        reduced = ctx.reduced
+        reduced = ctx.reduced() if callable(ctx.reduced) else ctx.reduced
         del ctx.reduced
         param_grad = grad_output * reduced.to(grad_output.dtype)
         return param_grad, None

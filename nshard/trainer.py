@@ -153,7 +153,8 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
         loss = global_loss(local_nll, batch, prepared, engine.device)
         log.write({"update": update + 1, "loss": loss, "lr": lr, "update_s": seconds, "compressed": compressed,
                    "grad_bytes": grad_bytes, "deepspeed_grad_bytes": counts["deepspeed_grad_bytes"],
-                   "reducer_bytes": reducer_bytes, "logged_reducer_bytes": counts["logged_reducer_bytes"]})
+                   "reducer_bytes": reducer_bytes, "logged_reducer_bytes": counts["logged_reducer_bytes"],
+                   "microbatch_sums": seam.sums})
         keeper.after_update(update + 1, receipt)
         counter.take()  # a replica check's or state save's collectives belong to no update
     ledger = seam.reducer.ledger if hasattr(seam, "reducer") else None  # none under DeepSpeed's own reduction

@@ -7,7 +7,7 @@ import pytest
 from nshard.comm import ConfigError, build_reducer, validate_config
 
 GOOD = {"reducer": "powersgd", "rank": 32, "dense_warmup_updates": 8, "min_compression_rate": 2,
-        "error_feedback": "device", "warm_start": True, "seed": 0, "transport": "torch"}
+        "error_feedback": "device", "warm_start": True, "seed": 0, "transport": "torch", "microbatch_sums": "exact"}
 
 
 def test_validate_returns_the_section_with_defaults_filled():
@@ -23,7 +23,7 @@ def test_validate_returns_the_section_with_defaults_filled():
     ("min_compression_rate", 0), ("min_compression_rate", -2), ("min_compression_rate", float("nan")),
     ("min_compression_rate", "2"),
     ("error_feedback", "cpu"), ("transport", "nccl"), ("reducer", "topk"), ("reducer", None),
-    ("warm_start", "true"), ("warm_start", 1), ("seed", -1), ("seed", 1.5),
+    ("warm_start", "true"), ("warm_start", 1), ("seed", -1), ("seed", 1.5), ("microbatch_sums", "fold"),
 ])
 def test_bad_value_names_the_key_and_the_fix(key, value):
     with pytest.raises(ValueError, match=rf"nshard\.{key} is .*; (set|remove)") as caught:
@@ -55,3 +55,9 @@ def test_build_reducer_validates_before_touching_any_transport():
         build_reducer({**GOOD, "error_feedback": "gpu"})
     with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):
         build_reducer(GOOD)
+
+
+def test_microbatch_sums_in_the_error_need_device_error_memory():
+    with pytest.raises(ConfigError, match=r'nshard\.microbatch_sums is "error".*set error_feedback to "device"'):
+        validate_config({**GOOD, "microbatch_sums": "error", "error_feedback": "host"})
+    assert validate_config({**GOOD, "microbatch_sums": "error"})["microbatch_sums"] == "error"

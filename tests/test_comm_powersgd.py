@@ -46,21 +46,61 @@ def core_scenario(rank: int, world: int, dtype_name: str, warmup: int) -> dict:
         "device": build_reducer({**config, "error_feedback": "device"}),
         "host": build_reducer({**config, "error_feedback": "host"}),
     }
-    outputs = {key: [] for key in [*reducers, "restored"]}
+    summed = build_reducer({**config, "error_feedback": "device"})
+    summed.register(SHAPES)
+    summed.deliver_as({name: dtype for name in SHAPES})
+    outputs = {key: [] for key in [*reducers, "restored", "summed"]}
     for update in range(UPDATES):
         for key, reducer in reducers.items():
             grads = grads_for(rank, update, dtype)
             reducer.reduce(grads)
             outputs[key].append(grads)
+        outputs["summed"].append(summed_update(summed, grads_for(rank, update, dtype)))
         if update == RESUME_AFTER:
             reducers["restored"] = build_reducer({**config, "seed": 99})  # the RNG state must come from the load
             reducers["restored"].load_state_dict(copy.deepcopy(reducers["device"].state_dict()))
     return {
         "outputs": outputs,
-        "state": {key: _errors_q_rng(reducers[key]) for key in ("device", "host", "restored")},
+        "state": {**{key: _errors_q_rng(reducers[key]) for key in ("device", "host", "restored")},
+                  "summed": _errors_q_rng(summed)},
+        "summed_updates": summed.updates, "summed_ledger": summed.ledger.records,
         "ledger": reducers["device"].ledger.records,
         "updates": reducers["device"].updates,
     }
+
+
+def summed_update(reducer, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The ingest seam's one-microbatch path: matrices summed into the error memory, outputs on demand."""
+    sums = reducer.error_sums(torch.device("cpu"))
+    for name, target in sums.items():
+        target.add_(grads[name])
+    update = reducer.reduce_summed({n: g for n, g in grads.items() if n not in sums}, torch.device("cpu"))
+    outputs = {n: g for n, g in grads.items() if n not in sums}
+    for name in reversed(sorted(sums)):  # any order: each output depends only on this update's P and Q
+        outputs[name] = update.output(name).to(grads[name].dtype, copy=True)  # valid until finish()
+    update.finish()
+    return outputs
+
+
+def misuse_scenario(rank: int, world: int) -> dict:
+    from nshard.comm import build_reducer
+
+    cpu, found = torch.device("cpu"), {}
+    for place in ("host", "device"):
+        reducer = build_reducer({**CONFIG, "error_feedback": place})
+        reducer.register(SHAPES)
+        sums = reducer.error_sums(cpu)
+        found[f"{place}_sums"] = sorted(sums)
+        assert all(sums[n].shape == SHAPES[n] for n in sums)
+        dense = {} if place == "host" else {n: torch.zeros(s) for n, s in SHAPES.items()}
+        try:
+            reducer.reduce_summed(dense, cpu)
+            found["host_reduce" if place == "host" else "matrix_as_dense"] = "accepted"
+        except ValueError as exc:
+            found["host_reduce" if place == "host" else "matrix_as_dense"] = str(exc)
+    dense = build_reducer({**CONFIG, "reducer": "dense"})
+    found["dense_sums"] = sorted(dense.error_sums(cpu))
+    return found
 
 
 def exact_scenario(rank: int, world: int) -> dict:
@@ -126,6 +166,7 @@ def all_scenarios(rank: int, world: int) -> dict:
         "exact": exact_scenario(rank, world),
         "reference": reference_scenario(rank, world),
         "disagree": disagree_scenario(rank, world),
+        "misuse": misuse_scenario(rank, world),
     }
 
 
@@ -173,6 +214,29 @@ def test_device_and_host_error_feedback_are_bit_identical(kind, ranks):
         assert_all_equal(device["q"], host["q"])
         assert torch.equal(device["rng"], host["rng"])
         assert all(e.dtype == torch.float32 for e in device["errors"].values())
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16"])
+def test_gradients_summed_into_the_error_memory_give_bit_identical_updates(kind, ranks):
+    """Issue 9 item 2: the ingest seam's one-microbatch path (gradient added straight into the error
+    memory, each output computed on demand) against reduce(): outputs, errors, Q, RNG, ledger."""
+    for result in [r[kind] for r in ranks]:
+        for out_device, out_summed in zip(result["outputs"]["device"], result["outputs"]["summed"], strict=True):
+            assert_all_equal(out_device, out_summed)
+        device, summed = result["state"]["device"], result["state"]["summed"]
+        assert_all_equal(device["errors"], summed["errors"])
+        assert_all_equal(device["q"], summed["q"])
+        assert torch.equal(device["rng"], summed["rng"])
+        assert result["summed_updates"] == result["updates"]
+        assert result["summed_ledger"] == result["ledger"]
+
+
+def test_summed_update_refuses_misuse(ranks):
+    for result in ranks:
+        misuse = result["misuse"]
+        assert misuse["host_sums"] == [] and misuse["dense_sums"] == []  # nothing to sum into
+        assert misuse["device_sums"] == sorted(COMPRESSED)
+        assert "dense remainder" in misuse["host_reduce"] and "dense remainder" in misuse["matrix_as_dense"]
 
 
 def _mean_grad_sum(dtype, world: int) -> dict[str, torch.Tensor]:

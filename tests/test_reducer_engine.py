@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nshard.engine import PRIVATE_ENGINE_ATTRS, PRIVATE_ZERO_ATTRS
-from runs import REPO, cached_run, final_params, receipts, tiny_config
+from runs import REPO, cached_run, final_params, launch, receipts, tiny_config
 
 RANK = 2
 POWERSGD = {"reducer": "powersgd", "rank": RANK, "dense_warmup_updates": 1, "min_compression_rate": 2,
@@ -155,3 +155,37 @@ def test_zero2_powersgd_with_accumulation_keeps_the_pinned_parameter_root(runs_r
     out = cached_run(runs_root, name, tiny_config(stage=2, nshard=psgd(rank=4), bf16=bf16))
     assert json.loads((out / "run.json").read_text())["parameter_root"] == pinned
     assert any(m["compressed"] for m in metrics(out))
+    assert {m["microbatch_sums"] for m in metrics(out)} == {"fp32 sums"}  # several microbatches: kept apart
+
+
+# Pinned on the tree before the one-microbatch path (commit 24885ac: every update summed into
+# IngestSeam.accumulated): the tiny plan with 3 documents per microbatch, so each of the 2 ranks has
+# one microbatch per update, at ZeRO-2 + PowerSGD rank 4 (ZeRO-1 gave the same roots).
+PINNED_ONE_MICROBATCH_ROOT = "282c61f4550544e296b94f4b5badb98986147752ac6de7020a3767f660a741cd"
+PINNED_ONE_MICROBATCH_BF16_ROOT = "50aa0ef3769c52c124a9bbe05a4729bf82dbdc495e9bae402578e2d5dac045b8"
+
+
+@pytest.mark.parametrize("bf16, pinned", [(False, PINNED_ONE_MICROBATCH_ROOT),
+                                          (True, PINNED_ONE_MICROBATCH_BF16_ROOT)])
+def test_one_microbatch_updates_sum_into_the_error_memory_and_keep_the_pinned_root(runs_root, bf16, pinned):
+    """Issue 9 item 2: with one microbatch per update the matrices' gradients go straight into the error
+    memory and each output is computed as DeepSpeed takes it; not a bit of the model changes."""
+    plan = runs_root / "tiny-one-microbatch.toml"
+    plan.write_text((REPO / "launch/plans/tiny.toml").read_text().replace("microbatch_docs = 2", "microbatch_docs = 3"))
+    out = runs_root / ("one-microbatch" + ("-bf16" if bf16 else ""))
+    launch(out, tiny_config(stage=2, nshard=psgd(rank=4), bf16=bf16), plan=plan)
+    assert json.loads((out / "run.json").read_text())["parameter_root"] == pinned
+    ms = metrics(out)
+    assert [m["compressed"] for m in ms] == [False, True, True]
+    assert {m["microbatch_sums"] for m in ms} == {"error memory"}
+
+
+@pytest.mark.slow
+def test_microbatch_sums_error_folds_every_microbatch_and_stays_close_to_stage_0(stages, runs_root):
+    """nshard.microbatch_sums = "error": several microbatches per update go into the error memory as they
+    arrive, (e + g1) + g2, so the model rounds differently from stage 0's e + (g1 + g2), but only by that."""
+    out = cached_run(runs_root, "psgd-z2-sums-in-error", tiny_config(stage=2, nshard=psgd(microbatch_sums="error")))
+    assert {m["microbatch_sums"] for m in metrics(out)} == {"error memory"}
+    assert_same_params(out, stages[0], rtol=1e-4, atol=1e-5)
+    assert json.loads((out / "run.json").read_text())["parameter_root"] != json.loads(
+        (stages[2] / "run.json").read_text())["parameter_root"]

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 REDUCERS = ("dense", "powersgd")
 ERROR_FEEDBACK_PLACES = ("device", "host")
 TRANSPORTS = ("torch", "mpi")
+MICROBATCH_SUMS = ("exact", "error")
 
 
 class ConfigError(ValueError):
@@ -41,6 +42,12 @@ class ReducerConfig:
     """Seed of the projection RNG; identical on every rank so every replica draws the same Q."""
     transport: str = "torch"
     """"torch" (torch.distributed: gloo on CPU, NCCL on GPU) or "mpi" (mpi4py COMM_WORLD)."""
+    microbatch_sums: str = "exact"
+    """Under ZeRO-1/2 or bf16 with device error memory, where an update's microbatch gradients are summed.
+    "exact": an update with one microbatch per rank adds its gradient straight into the error memory;
+    one with several keeps fp32 sums apart (4 bytes per parameter), so M = error + (g1 + g2 + ...) rounds
+    as at stage 0. "error": every microbatch goes into the error memory as it arrives, (error + g1) + g2,
+    with no extra buffer; it rounds differently from stage 0 when an update has several microbatches."""
 
     def __post_init__(self):
         problems = field_problems(self)
@@ -70,7 +77,11 @@ def field_problems(config: ReducerConfig) -> list[str]:
         _choice_problem("reducer", config.reducer, REDUCERS),
         _choice_problem("error_feedback", config.error_feedback, ERROR_FEEDBACK_PLACES),
         _choice_problem("transport", config.transport, TRANSPORTS),
+        _choice_problem("microbatch_sums", config.microbatch_sums, MICROBATCH_SUMS),
     ]
+    if config.microbatch_sums == "error" and config.error_feedback != "device":
+        problems.append('nshard.microbatch_sums is "error", which sums into an error memory beside the gradients; '
+                        'set error_feedback to "device" or microbatch_sums to "exact"')
     if not (_is_int(config.rank) and config.rank >= 1):
         problems.append(f"nshard.rank is {config.rank!r}; set it to an integer >= 1 (e.g. 32)")
     if not (_is_int(config.dense_warmup_updates) and config.dense_warmup_updates >= 0):

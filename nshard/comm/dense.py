@@ -73,6 +73,10 @@ class DenseReducer:
         """Nothing to do: dense averaging keeps no error memory, and the rounding to the delivered dtype
         is the same as after DeepSpeed's own all-reduce."""
 
+    def error_sums(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """No error memory to sum gradients into (see PowerSGDReducer.error_sums)."""
+        return {}
+
     def reduce(self, named_grads: Mapping[str, torch.Tensor]) -> None:
         grads = sorted_grads(named_grads)
         self.register({n: g.shape for n, g in grads.items()}, "reduce() gradients")

@@ -16,7 +16,7 @@ from nshard.comm.agree import agree_on_shapes
 from nshard.comm.checkpoint import assemble_q, check_header, check_part
 from nshard.comm.config import ReducerConfig
 from nshard.comm.dense import ShapeRegistry, all_reduce_mean_, sorted_grads
-from nshard.comm.feedback import ErrorMemory, build_error_memory
+from nshard.comm.feedback import DeviceErrorMemory, ErrorMemory, build_error_memory
 from nshard.comm.layout import Layout, MatrixSlot, build_layout, check_same_shapes, p_block, p_group, q_block
 from nshard.comm.ledger import ByteLedger
 from nshard.comm.transport import Transport
@@ -131,16 +131,19 @@ def prepare_buffers(state: PowerSGDState, device: torch.device) -> None:
     state.errors.ensure(layout.matrices, device)
 
 
-def compressed_update(state: PowerSGDState, grads: Mapping[str, torch.Tensor], transport: Transport) -> None:
-    """One PowerSGD update: dense remainder, then P and Q collectives, then output and error."""
+def start_compressed(state: PowerSGDState, grads: Mapping[str, torch.Tensor], transport: Transport,
+                     summed: bool = False) -> tuple[dict[str, int], torch.Tensor | None]:
+    """The collectives of one PowerSGD update: dense remainder, then P and Q. `summed`: each matrix's
+    gradient is already in its error memory (M formed in place), so it is not added again.
+    Returns the bytes sent by part and the previous Q (for keep_usable_q, once the outputs are out)."""
     layout = state.layout
     dense_sent = all_reduce_mean_([grads[name] for name in layout.dense_names], transport)
     if not layout.matrices:
-        state.ledger.record(state.updates, False, dense=dense_sent)
-        return
+        return {"dense": dense_sent}, None
     prepare_buffers(state, grads[layout.matrices[0].name].device)
-    for slot in layout.matrices:
-        state.errors.accumulate(slot.name, as_matrix(grads[slot.name]))
+    if not summed:
+        for slot in layout.matrices:
+            state.errors.accumulate(slot.name, as_matrix(grads[slot.name]))
     compute_p(state, grads)
     p_sent = transport.all_reduce_sum_(state.p_flat)  # a sum: orthogonalization removes the scale
     orthogonalize(state)
@@ -148,10 +151,77 @@ def compressed_update(state: PowerSGDState, grads: Mapping[str, torch.Tensor], t
     compute_q(state, grads)
     q_sent = transport.all_reduce_sum_(state.q_flat)
     state.q_flat.div_(transport.world_size)
-    decompress_all(state, grads)  # with this update's Q: a zero Q gives the zero output it should
+    return {"dense": dense_sent, "p": p_sent, "q": q_sent}, previous_q
+
+
+def finish_compressed(state: PowerSGDState, sent: dict[str, int], previous_q: torch.Tensor | None) -> None:
+    """After every output is out (it uses this update's Q: a zero Q gives the zero output it should)."""
     if previous_q is not None:
         keep_usable_q(state, previous_q)
-    state.ledger.record(state.updates, True, dense=dense_sent, p=p_sent, q=q_sent)
+    state.ledger.record(state.updates, bool(state.layout.matrices), **sent)
+
+
+def compressed_update(state: PowerSGDState, grads: Mapping[str, torch.Tensor], transport: Transport) -> None:
+    """One PowerSGD update: dense remainder, then P and Q collectives, then output and error."""
+    sent, previous_q = start_compressed(state, grads, transport)
+    if state.layout.matrices:
+        decompress_all(state, grads)
+    finish_compressed(state, sent, previous_q)
+
+
+class SummedUpdate:
+    """One update whose compressed matrices' gradients were summed straight into their error memory
+    (PowerSGDReducer.error_sums): `output(name)` gives a matrix's averaged gradient, computed only
+    when asked for, so no full-size output buffer exists; `finish()` closes the update.
+
+    The arithmetic is the in-buffer path's, operation for operation: M = error + grad is the same
+    single addition, P Qᵀ the same matmul (into a fresh tensor instead of the gradient), and the
+    error is settled against the same rounded output, so outputs, errors and Q are bit-identical.
+    Warm-up (dense) updates average the sums in place in the error memory, which finish() zeroes.
+    """
+
+    def __init__(self, reducer: "PowerSGDReducer", dense_grads: Mapping[str, torch.Tensor], device: torch.device):
+        self.reducer, state = reducer, reducer.state
+        errors = reducer.error_sums(device)
+        if not errors or set(dense_grads) != set(state.layout.dense_names):
+            raise ValueError("reduce_summed() takes the gradients of the dense remainder "
+                             f"{list(state.layout.dense_names) if state.layout else []}, after the compressed "
+                             "matrices' were added to error_sums() (device error memory only)")
+        self.slots = {slot.name: slot for slot in state.layout.matrices}
+        grads = sorted_grads({**dense_grads, **errors})
+        reducer.register({name: g.shape for name, g in grads.items()}, "reduce_summed() gradients")
+        self.errors = errors
+        self.pending = set(errors)
+        self.warmup = state.updates < state.dense_warmup_updates
+        if self.warmup:
+            self.sent, self.previous_q = {"dense": all_reduce_mean_(list(grads.values()), reducer.transport)}, None
+        else:
+            self.sent, self.previous_q = start_compressed(state, grads, reducer.transport, summed=True)
+
+    def output(self, name: str) -> torch.Tensor:
+        """The averaged gradient of a compressed matrix (fp32, rounded to its delivered dtype); once per name.
+        In warm-up it is the error memory itself: read it before finish() zeroes it."""
+        self.pending.remove(name)
+        if self.warmup:
+            return self.errors[name]  # the average, in place; zeroed by finish()
+        state = self.reducer.state
+        slot = self.slots[name]
+        out = torch.matmul(p_block(state.p_flat, slot), q_block(state.q_flat, slot).T)
+        round_to_delivered(out, state.delivered_dtypes.get(name))
+        state.errors.settle(name, state.errors.matrix(name, out), out)
+        return out.view(self.errors[name].shape)
+
+    def finish(self) -> None:
+        if self.pending:
+            raise RuntimeError(f"update closed before the outputs of {sorted(self.pending)} were taken")
+        state = self.reducer.state
+        if self.warmup:
+            for error in self.errors.values():
+                error.zero_()
+            state.ledger.record(state.updates, False, **self.sent)
+        else:
+            finish_compressed(state, self.sent, self.previous_q)
+        state.updates += 1
 
 
 class PowerSGDReducer:
@@ -192,6 +262,25 @@ class PowerSGDReducer:
     def deliver_as(self, dtypes: Mapping[str, torch.dtype]) -> None:
         """The dtype the optimizer receives each gradient in, when it differs from the reduced buffer's."""
         self.state.delivered_dtypes = dict(dtypes)
+
+    def error_sums(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """Each compressed matrix's error memory, parameter-shaped, for summing its gradient into
+        directly (M = error + grad formed in place, no separate gradient buffer): an update with one
+        microbatch adds it there and calls reduce_summed(). Empty unless the error memory lives
+        beside the gradients ("device") and the shapes are registered. Between updates outside
+        warm-up it holds the error; during warm-up, zeros."""
+        state = self.state
+        if not isinstance(state.errors, DeviceErrorMemory) or state.layout is None:
+            return {}
+        state.errors.ensure(state.layout.matrices, device)
+        return {s.name: state.errors.tensors[s.name].view(state.layout.shapes[s.name])
+                for s in state.layout.matrices}
+
+    def reduce_summed(self, dense_grads: Mapping[str, torch.Tensor], device: torch.device) -> SummedUpdate:
+        """Like reduce(), after each compressed matrix's gradient was added to error_sums(): the dense
+        remainder's gradients are averaged in place; the matrices' outputs come from the returned
+        update's output(name), then its finish()."""
+        return SummedUpdate(self, dense_grads, device)
 
     def reduce(self, named_grads: Mapping[str, torch.Tensor]) -> None:
         """Average the gradients over ranks in place: dense during warm-up, PowerSGD after."""

@@ -27,6 +27,11 @@ class Reducer(Protocol):
         """The dtype the optimizer receives each gradient in (error feedback settles against it)."""
         ...
 
+    def error_sums(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """Buffers (by parameter name) an update's gradients may be summed into in place of their own, for
+        reduce_summed(); empty when the reducer has none."""
+        ...
+
     def reduce(self, named_grads: Mapping[str, torch.Tensor]) -> None:
         """One call per update; names are processed in sorted order so collectives match across ranks."""
         ...
