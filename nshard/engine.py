@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 
 import torch
 
+from nshard.chunked_adamw import CHUNK_ELEMENTS, chunk_steps
 from nshard.comm.config import ReducerConfig
 from nshard.plan import Plan
 
@@ -125,6 +127,11 @@ def build_engine(model: torch.nn.Module, config: dict):
     optimizer = None
     if not torch.cuda.is_available():
         optimizer = torch_adamw(model.parameters(), config)
+        # The same arithmetic in cache-sized pieces (nshard/chunked_adamw.py); NSHARD_ADAMW_CHUNK sets the
+        # piece size in elements, 0 leaves torch's step as it is.
+        chunk = int(os.environ.get("NSHARD_ADAMW_CHUNK", CHUNK_ELEMENTS))
+        if chunk:
+            chunk_steps(optimizer, chunk)
         config.pop("optimizer")
         config.setdefault("zero_allow_untested_optimizer", True)
     # Counting bytes needs the comms logger; leave a user's own setting alone.
@@ -272,6 +279,10 @@ def load_checkpoint(engine, directory: Path) -> None:
 # it. Verified on deepspeed 0.19.8 (pyproject pins >=0.19.8,<0.20).
 PRIVATE_ENGINE_ATTRS = ("enable_backward_allreduce",)
 PRIVATE_ZERO_ATTRS = ("gradient_reduction_w_predivide", "allreduce_bucket", "reduce_scatter", "overlap_comm")
+# ZeRO-1/2's owned gradient partition, which ZeroPartitionWriter fills directly.
+PRIVATE_ZERO_PARTITION_ATTRS = ("params_in_partition", "partition_size", "real_dp_process_group", "get_param_id",
+                                "grad_start_offset", "grad_partition_insertion_offset", "averaged_gradients",
+                                "_build_compact_grad_partition_buffer")
 
 
 class DeepSpeedAPIMoved(RuntimeError):
@@ -283,7 +294,8 @@ def check_private_api(engine) -> None:
 
     missing = [a for a in PRIVATE_ENGINE_ATTRS if not hasattr(engine, a)]
     if zero_stage(engine) in (1, 2):
-        missing += [f"optimizer.{a}" for a in PRIVATE_ZERO_ATTRS if not hasattr(engine.optimizer, a)]
+        missing += [f"optimizer.{a}" for a in PRIVATE_ZERO_ATTRS + PRIVATE_ZERO_PARTITION_ATTRS
+                    if not hasattr(engine.optimizer, a)]
     if missing:
         raise DeepSpeedAPIMoved(f"deepspeed {deepspeed.__version__} lacks {missing}, which nshard's reducer seam "
                                 "replaces (verified on 0.19.8); pin deepspeed>=0.19.8,<0.20 or port nshard/engine.py")
@@ -302,6 +314,53 @@ def _silence_zero_reduction(optimizer) -> None:
     optimizer.gradient_reduction_w_predivide = _keep_local_bucket
     optimizer.allreduce_bucket = lambda bucket, communication_data_type, *args, **kwargs: _keep_local_bucket(
         optimizer.flatten(bucket), communication_data_type)
+
+
+class ZeroPartitionWriter:
+    """Hands ZeRO-1/2 an already-reduced gradient by writing each parameter's owned slice straight into the
+    flat gradient partition its step() reads (averaged_gradients[i], ZeRO's own compact partition buffer:
+    what its reduction epilogue builds when it accumulates in fp32), so DeepSpeed's backward, its per-parameter
+    hooks, its reduce bucket (4 bytes per parameter) and its copies into the partition are not needed.
+
+    The values are what DeepSpeed's path delivered (the gradient rounded to the parameter's dtype, then held in
+    the partition's dtype), at the offsets ZeRO computed at construction, so the step is unchanged bit for bit.
+    """
+
+    def __init__(self, optimizer):
+        import deepspeed.comm as ds_comm
+
+        self.optimizer = optimizer
+        self.slices: dict[int, tuple[int, int, int, int]] = {}  # id(param) -> (group, source, destination, count)
+        for group, params in enumerate(optimizer.params_in_partition):
+            me = ds_comm.get_rank(group=optimizer.real_dp_process_group[group])
+            size = int(optimizer.partition_size[group])
+            for param in params:
+                pid = optimizer.get_param_id(param)
+                source = int(optimizer.grad_start_offset[group][me][pid])
+                destination = int(optimizer.grad_partition_insertion_offset[group][me][pid])
+                count = min(param.numel() - source, size - destination)
+                if count > 0:
+                    self.slices[id(param)] = (group, source, destination, count)
+        self.buffers = None
+
+    def begin(self) -> None:
+        """Fresh zeroed partitions (ZeRO's step releases them, so they do not outlive the update)."""
+        self.buffers = [self.optimizer._build_compact_grad_partition_buffer(group)
+                        for group in range(len(self.optimizer.params_in_partition))]
+
+    def write(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Copy the part of `grad` (param's full reduced gradient) that this rank owns; nothing if none."""
+        where = self.slices.get(id(param))
+        if where is None:
+            return
+        group, source, destination, count = where
+        owned = grad.reshape(-1).narrow(0, source, count).to(param.dtype)
+        self.buffers[group].flat_partition.narrow(0, destination, count).copy_(owned)
+
+    def finish(self) -> None:
+        for group, buffer in enumerate(self.buffers):
+            self.optimizer.averaged_gradients[group] = buffer
+        self.buffers = None
 
 
 def ingest_mode(stage: int, bf16: bool) -> bool:
@@ -338,7 +397,9 @@ def install_reducer(engine, config: ReducerConfig | None):
         engine.enable_backward_allreduce = False
     ingest = ingest_mode(zero_stage(engine), engine.bfloat16_enabled())
     if ingest:
-        return seam.IngestSeam(engine, reducer, config.reducer, sum_every_microbatch_into_error=
+        writer = ZeroPartitionWriter(engine.optimizer) if zero_stage(engine) in (1, 2) else None
+        return seam.IngestSeam(engine, reducer, config.reducer, partition_writer=writer,
+                               sum_every_microbatch_into_error=
                                config.reducer == "powersgd" and config.microbatch_sums == "error")
     return seam.InPlaceSeam(engine, reducer, config.reducer)
 

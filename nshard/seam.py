@@ -90,17 +90,19 @@ class IngestSeam(ReducerSeam):
     torch.autograd.grad (no DeepSpeed hook fires) with a hook on every parameter that adds its
     gradient to an fp32 sum the moment autograd produces it and hands autograd back a zero-stride
     zero, so one parameter's gradient exists at a time, not all of them (issue 9 item 2). The
-    reducer averages the sums; a backward through HandOver nodes, whose gradient is exactly the
-    reduced sum, hands them to DeepSpeed, whose own reduction engine.py has replaced by a no-op;
+    reducer averages the sums and hands them to DeepSpeed: under ZeRO-1/2 `partition_writer`
+    (engine.py's ZeroPartitionWriter) copies each parameter's owned slice into ZeRO's gradient
+    partition; bf16 at stage 0 takes a backward through HandOver nodes, whose gradient is exactly the
+    reduced sum, into DeepSpeed's hooks, whose own reduction engine.py has replaced by a no-op.
     engine.step() updates. DeepSpeed runs with gradient_accumulation_steps=1: it sees one
     micro-step per update.
 
     Where the sums live:
     - An update with one microbatch per rank, under PowerSGD with device error memory: each
       compressed matrix's gradient is added straight into its error memory (M = error + grad, the
-      same single addition the reducer would make), and its averaged output is computed in the
-      HandOver backward that hands it to DeepSpeed, one matrix at a time. Beyond ZeRO's own buffers
-      this path holds only the error memory, P/Q and fp32 sums of the small dense remainder.
+      same single addition the reducer would make), and its averaged output is computed as it is
+      handed to DeepSpeed, one matrix at a time. Beyond ZeRO's own buffers this path holds only the
+      error memory, P/Q and fp32 sums of the small dense remainder.
       With nshard.microbatch_sums = "error" updates with several microbatches do the same, adding
       each into the error memory as it arrives: (e + g1) + g2, which rounds unlike stage 0's e + (g1 + g2).
     - Otherwise (several microbatches, dense reducer, host error memory): one fp32 sum per parameter,
@@ -108,8 +110,9 @@ class IngestSeam(ReducerSeam):
     `sums` names where the last update's sums were.
     """
 
-    def __init__(self, engine, reducer, name: str, sum_every_microbatch_into_error: bool = False):
+    def __init__(self, engine, reducer, name: str, partition_writer=None, sum_every_microbatch_into_error: bool = False):
         super().__init__(engine, reducer, name)
+        self.partition_writer = partition_writer
         self.sum_every_microbatch_into_error = sum_every_microbatch_into_error
         if engine.gradient_accumulation_steps() != 1:
             raise RuntimeError("nshard's ingest seam needs DeepSpeed gradient_accumulation_steps=1 "
@@ -156,8 +159,15 @@ class IngestSeam(ReducerSeam):
         else:
             sources = {n: self._sum(n) for n in self.params}
             self.reducer.reduce(sources)
-        surrogate = sum(HandOver.apply(p, sources[n]) for n, p in self.params.items())
-        engine.backward(surrogate, scale_wrt_gas=False)
+        if self.partition_writer is not None:  # ZeRO-1/2: straight into the owned partition
+            writer = self.partition_writer
+            writer.begin()
+            for n, p in self.params.items():
+                writer.write(p, sources[n]() if callable(sources[n]) else sources[n])
+            writer.finish()
+        else:  # bf16 at stage 0: through DeepSpeed's own gradient hooks
+            surrogate = sum(HandOver.apply(p, sources[n]) for n, p in self.params.items())
+            engine.backward(surrogate, scale_wrt_gas=False)
         if update is not None:
             update.finish()
         engine.step()

@@ -130,6 +130,11 @@ def test_private_deepspeed_attributes_are_where_nshard_expects_them():
     init_src = inspect.getsource(DeepSpeedZeroOptimizer.__init__)
     assert all(f"self.{a} =" in init_src for a in ("reduce_scatter", "overlap_comm")), PRIVATE_ZERO_ATTRS
     assert "self.gradient_reduction_w_predivide(" in inspect.getsource(DeepSpeedZeroOptimizer.average_tensor)
+    # ZeroPartitionWriter: ZeRO's step takes a pre-flattened compact partition from averaged_gradients as it is.
+    assert all(hasattr(DeepSpeedZeroOptimizer, m) for m in ("_build_compact_grad_partition_buffer", "get_param_id"))
+    assert all(f"self.{a} =" in init_src for a in ("params_in_partition", "partition_size", "averaged_gradients"))
+    assert "self._get_preflattened_grad_partition(i)" in inspect.getsource(DeepSpeedZeroOptimizer.step)
+    assert "flat_partition" in inspect.getsource(DeepSpeedZeroOptimizer._get_preflattened_grad_partition)
 
 
 # Pinned with the pre-change ingest seam (commit d58d7db: torch.autograd.grad's all-at-once gradients
@@ -169,11 +174,12 @@ PINNED_ONE_MICROBATCH_BF16_ROOT = "50aa0ef3769c52c124a9bbe05a4729bf82dbdc495e9ba
                                           (True, PINNED_ONE_MICROBATCH_BF16_ROOT)])
 def test_one_microbatch_updates_sum_into_the_error_memory_and_keep_the_pinned_root(runs_root, bf16, pinned):
     """Issue 9 item 2: with one microbatch per update the matrices' gradients go straight into the error
-    memory and each output is computed as DeepSpeed takes it; not a bit of the model changes."""
+    memory, each output is computed as it is written into ZeRO's partition, and AdamW steps the flat
+    partition in pieces (1024 elements here, so the tiny model's partition is cut); not a bit changes."""
     plan = runs_root / "tiny-one-microbatch.toml"
     plan.write_text((REPO / "launch/plans/tiny.toml").read_text().replace("microbatch_docs = 2", "microbatch_docs = 3"))
     out = runs_root / ("one-microbatch" + ("-bf16" if bf16 else ""))
-    launch(out, tiny_config(stage=2, nshard=psgd(rank=4), bf16=bf16), plan=plan)
+    launch(out, tiny_config(stage=2, nshard=psgd(rank=4), bf16=bf16), plan=plan, env={"NSHARD_ADAMW_CHUNK": "1024"})
     assert json.loads((out / "run.json").read_text())["parameter_root"] == pinned
     ms = metrics(out)
     assert [m["compressed"] for m in ms] == [False, True, True]
