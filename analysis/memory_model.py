@@ -3,25 +3,29 @@ predicted part by part from the parameter shapes, and set against measured peaks
 
     python -m analysis.memory_model --measured runs/memory-probe          # predicted vs measured
     python -m analysis.memory_model --model-dir DIR --world 2             # predictions for a model
+    python -m analysis.memory_model --layers 24 --ratios                  # pooled vs one rank at stage 0
 
-What each part is, per rank (DeepSpeed 0.19.8, CPU, torch AdamW; P parameters, C of them in
-PowerSGD-compressed matrices, D = P - C, N ranks, L the largest tensor):
+What each part is, per rank (DeepSpeed 0.19.8, CPU, torch AdamW stepped in pieces of 2^18 elements by
+nshard/chunked_adamw.py; P parameters, C of them in PowerSGD-compressed matrices, D = P - C, N ranks,
+L the largest tensor, w bytes per module weight):
 - params: the module's weights (fp32 4P; bf16 2P).
-- grads: DeepSpeed's own gradient buffers. Stage 0: .grad (4P). ZeRO-1/2: the ipg bucket the grads are
-  copied into (contiguous_gradients; 4*min(P, reduce_bucket_size)) plus the owned flat partition (4P/N).
-- accumulators: the ingest seam's fp32 microbatch sums (nshard/seam.py IngestSeam.accumulated, 4P).
+- grads: DeepSpeed's own gradient buffers. Stage 0: .grad (4P). ZeRO-1/2 under DeepSpeed's own reduction:
+  the ipg bucket the grads are copied into (contiguous_gradients; w*min(P, reduce_bucket_size): CPU pages
+  are only counted once touched) plus the owned flat partition (4P/N). ZeRO-1/2 under an nshard reducer:
+  only the owned partition (4P/N), written by engine.py's ZeroPartitionWriter; no bucket.
+- accumulators: the ingest seam's fp32 microbatch sums (nshard/seam.py IngestSeam): 4P when an update has
+  several microbatches (microbatch_sums "exact"), 4D when the compressed matrices are summed straight into
+  their error memory (one microbatch per update, or microbatch_sums "error").
 - error: PowerSGD's fp32 error memory, one (n, m) matrix per compressed parameter (4C).
 - pq: the flat P and Q buffers, r(n+m) floats per compressed matrix.
 - optimizer: AdamW exp_avg + exp_avg_sq (8P; 8P/N under ZeRO-1/2 and under bf16's BF16_Optimizer).
 - master: fp32 master weights (ZeRO's single_partition_of_fp32_groups, 4P/N; 0 at stage 0 fp32).
 - comm: flat buffers that exist only while reducing (stage-0 bucket 4*min(P, 5e8); a dense flat
   all-reduce of the reducer's remainder, 4D; 4P when a dense warm-up update runs with state allocated).
-- transient: the ingest seam's one gradient at a time (a parameter hook sums each into its accumulator
-  as autograd produces it, so one largest tensor, w*L, is what the heap keeps; before issue 9 item 2
-  torch.autograd.grad returned all of them at once, 4P, and the heap kept that high-water mark), the
-  hand-over's per-parameter gradient for DeepSpeed's hook (w*L), AdamW's temporaries (two tensors the
-  size of what one step call sees), activations.
-Peak = the largest of the phases (backward, reduce, step), each the sum of the parts alive in it.
+- transient: the ingest seam's one gradient at a time (a parameter hook sums each into its accumulator as
+  autograd produces it; the heap keeps the largest, w*L), one matrix's output while it is written into
+  ZeRO's partition (4L), AdamW's temporaries (two pieces: 8*min(2^18, the tensor)), activations.
+Peak = the largest of the phases (backward, reduce, hand-over, step), each the sum of the parts alive in it.
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 REDUCE_BUCKET_ELEMENTS = 500_000_000  # deepspeed zero config reduce_bucket_size default (elements)
+ADAMW_CHUNK_ELEMENTS = 1 << 18  # nshard/chunked_adamw.py CHUNK_ELEMENTS
 STAGE0_BUCKET_ELEMENTS = 500_000_000  # MEMORY_OPT_ALLREDUCE_SIZE: stage 0's flat all-reduce bucket
 DEFAULT_BASELINE_BYTES = 480 * 2**20  # a rank with no model (python, torch, deepspeed, gloo, shm): measured
 PARTS = ("params", "grads", "accumulators", "error", "pq", "optimizer", "master", "comm", "transient")
@@ -68,16 +73,21 @@ class Config:
     min_compression_rate: float = 2.0
     dense_update_with_state: bool = False  # a dense warm-up update after the first one (warm-up >= 2)
     tokens_per_microbatch: int = 256
-    # The rest of issue 9 item 2, not implemented: compressed matrices' microbatch sums folded straight into
-    # the error memory (exact only with one microbatch per update), so the accumulators hold only the
-    # dense remainder. False: the ingest seam as it is (nshard/seam.py).
-    item2: bool = False
+    microbatches: int = 1  # per rank per update
+    microbatch_sums: str = "exact"  # nshard.microbatch_sums
+    reduce_bucket_elements: int = REDUCE_BUCKET_ELEMENTS  # zero_optimization.reduce_bucket_size
+
+    @property
+    def sums_in_error(self) -> bool:
+        """The ingest seam adds the compressed matrices' gradients straight into their error memory."""
+        return (self.reducer == "powersgd" and self.error_place == "device"
+                and (self.microbatches == 1 or self.microbatch_sums == "error"))
 
     @property
     def name(self) -> str:
         extra = "-bf16" if self.bf16 else ""
         extra += "-host" if self.reducer == "powersgd" and self.error_place == "host" else ""
-        extra += "-item2" if self.item2 else ""
+        extra += "-sums" if self.reducer == "powersgd" and (self.stage or self.bf16) and not self.sums_in_error else ""
         return f"s{self.stage}-{self.reducer}{extra}"
 
 
@@ -118,42 +128,39 @@ def phases(shapes: Shapes, c: Config) -> dict[str, dict[str, float]]:
     pooled = zero or c.bf16  # bf16 at stage 0 runs DeepSpeed's BF16_Optimizer, which partitions like ZeRO-1
     base = {"params": w * P, "optimizer": 8 * P / (N if pooled else 1),
             "master": 4 * P / N if pooled else 0, "error": 4 * C, "pq": 4 * PQ}
-    if c.reducer == "powersgd" and c.error_place == "host":
-        base["comm"] = 0  # same bytes on CPU; on GPU they leave the device (see device_bytes)
     ingest = c.reducer == "powersgd" and pooled
-    if ingest and not c.item2:
-        base["accumulators"] = 4 * P  # IngestSeam.accumulated: kept apart from the error so M rounds as before
-    elif ingest and c.item2:
-        base["accumulators"] = 4 * D  # microbatch sums of the dense remainder only; matrices sum into the error
+    if ingest:
+        base["accumulators"] = 4 * D if c.sums_in_error else 4 * P
     act = activation_bytes(shapes, c.tokens_per_microbatch, c.bf16)
     owned = 4 * P / N  # ZeRO's flat gradient partition (fp32)
     if zero:
-        bucket = w * min(P, REDUCE_BUCKET_ELEMENTS)
-        grads_backward = {"grads": bucket + owned}
-        step_temps = 8 * P / N
+        step_temps = 8 * min(P / N, ADAMW_CHUNK_ELEMENTS)
+        grads_backward = {"grads": w * min(P, c.reduce_bucket_elements) + owned}
         # The bucket is gone by the step at both stages (one micro-step per update): a stage-1 term for it
         # over-predicted ZeRO-1 by 10-14% on the 1.7B shapes.
         grads_step = {"grads": owned}
     elif c.bf16:  # BF16_Optimizer: a full fp32 gradient accumulation buffer, bf16 .grad transient
+        step_temps = 8 * min(P / N, ADAMW_CHUNK_ELEMENTS)
         grads_backward = {"grads": 4 * P + w * L}
-        step_temps = 8 * P / N
         grads_step = {"grads": 4 * P}
     else:
+        step_temps = 8 * min(L, ADAMW_CHUNK_ELEMENTS)
         grads_backward = {"grads": 4 * P}
-        step_temps = 8 * L
         grads_step = {"grads": 4 * P}
     out = {}
     if ingest:
-        # A parameter hook sums each gradient into its accumulator as autograd produces it, so one
-        # gradient exists at a time. Freed per-parameter tensors (< glibc's 32 MiB mmap threshold) go
-        # back to the heap, which keeps its high-water mark: the largest one stays in every later phase.
-        # (Before item 2 torch.autograd.grad returned all of them at once and the heap kept w*P.)
+        # A parameter hook sums each gradient into its accumulator (or error memory) as autograd produces
+        # it, so one gradient exists at a time; freed per-parameter tensors go back to the heap, which
+        # keeps its high-water mark: the largest one stays in every later phase.
         held = w * L
         out["backward"] = {**base, "transient": act + held}
         out["reduce"] = {**base, "comm": 4 * D + (4 * P if c.dense_update_with_state else 0), "transient": held}
-        # HandOver backward: each parameter's reduced gradient (w*L; bf16 also its rounded copy) goes to
-        # DeepSpeed's hook, which copies it into its bucket and owned partition
-        out["hand-over"] = {**base, **grads_backward, "transient": held + w * L * (2 if c.bf16 else 1)}
+        if zero:
+            # ZeroPartitionWriter: the owned partition, and one matrix's output (4L) while its slice is copied.
+            out["hand-over"] = {**base, "grads": owned, "transient": held + 4 * L}
+        else:
+            # bf16 at stage 0: HandOver's per-parameter gradient (and its rounded copy) into DeepSpeed's hook.
+            out["hand-over"] = {**base, **grads_backward, "transient": held + w * L * 2}
         out["step"] = {**base, **grads_step, "transient": step_temps + held}
     else:
         out["backward"] = {**base, **grads_backward, "transient": act}
@@ -250,11 +257,17 @@ def max_microbatch_tokens(run_dir: Path) -> int:
 def arm_config(probe: dict, run_dir: Path) -> Config:
     ds = json.loads((run_dir / "ds_config.json").read_text())
     section = ds.get("nshard", {})
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    summed = {m.get("microbatch_sums") for m in metrics} == {"error memory"}
     return Config(stage=probe["stage"], reducer=probe["reducer"], bf16=probe["bf16"],
                   error_place=section.get("error_feedback", "device"), world=probe["ranks"],
                   rank=section.get("rank", 32), min_compression_rate=section.get("min_compression_rate", 2.0),
                   dense_update_with_state=section.get("dense_warmup_updates", 0) >= 2,
-                  tokens_per_microbatch=max_microbatch_tokens(run_dir))
+                  tokens_per_microbatch=max_microbatch_tokens(run_dir),
+                  # what the run did: one microbatch summed into the error memory, or separate sums
+                  microbatches=1 if summed else 2, microbatch_sums=section.get("microbatch_sums", "exact"),
+                  reduce_bucket_elements=int(ds.get("zero_optimization", {}).get(
+                      "reduce_bucket_size", REDUCE_BUCKET_ELEMENTS)))
 
 
 def measured_rows(directory: Path) -> list[dict]:
@@ -313,6 +326,27 @@ def capacity(config: Config, cap_bytes: float, baseline: float, max_layers: int 
     return best
 
 
+def ratios(shapes: Shapes, worlds=(2, 3, 4, 8), baseline: float = DEFAULT_BASELINE_BYTES) -> str:
+    """Predicted per-rank bytes of one rank at stage 0 over those of N ranks of ZeRO-2 + PowerSGD (the size of
+    model the same cap holds, at this depth), like with like: fp32 with device or host error memory (host: on a
+    GPU the error memory leaves the device), and bf16 against bf16 at stage 0."""
+    def per_rank(c: Config) -> float:
+        return device_bytes(predict(shapes, c, baseline), c)
+    one = {bf16: per_rank(Config(stage=0, world=1, bf16=bf16)) for bf16 in (False, True)}
+    head = ["N", "ZeRO-2 dense fp32", "ZeRO-2 PowerSGD fp32", "same, host error memory (GPU)",
+            "ZeRO-2 PowerSGD fp32, separate microbatch sums", "ZeRO-2 PowerSGD bf16 (vs bf16 stage 0)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for n in worlds:
+        cells = [per_rank(Config(stage=2, world=n)),
+                 per_rank(Config(stage=2, reducer="powersgd", world=n)),
+                 per_rank(Config(stage=2, reducer="powersgd", world=n, error_place="host")),
+                 per_rank(Config(stage=2, reducer="powersgd", world=n, microbatches=2))]
+        row = [one[False] / b for b in cells] + [one[True] / per_rank(Config(stage=2, reducer="powersgd", world=n,
+                                                                               bf16=True))]
+        lines.append("| " + " | ".join([str(n)] + [f"{r:.2f}x" for r in row]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--measured", help="a launch/memory_probe.py output directory")
@@ -320,7 +354,9 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=None, help="predict for a SmolLM2-1.7B-shaped model of LAYERS")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=256, help="tokens per microbatch (activations)")
-    parser.add_argument("--item2", action="store_true", help="also predict the rest of item 2 (matrix sums folded into the error memory)")
+    parser.add_argument("--microbatches", type=int, default=1, help="microbatches per rank per update")
+    parser.add_argument("--ratios", action="store_true",
+                        help="print how much larger a model N pooled ranks hold than one rank at stage 0")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
     if args.measured:
@@ -331,15 +367,16 @@ def main(argv=None) -> int:
         print(render(rows, measured=True), end="")
     else:
         shapes = model_shapes(Path(args.model_dir)) if args.model_dir else smollm2_1_7b(args.layers or 24)
+        if args.ratios:
+            print(ratios(shapes), end="")
+            return 0
         rows = []
         for stage in (0, 1, 2):
             for reducer in ("dense", "powersgd"):
                 for bf16 in (False, True):
                     c = Config(stage=stage, reducer=reducer, bf16=bf16, world=args.world,
-                               tokens_per_microbatch=args.tokens)
+                               tokens_per_microbatch=args.tokens, microbatches=args.microbatches)
                     rows.append({**predict(shapes, c), "model": "given"})
-                    if args.item2 and reducer == "powersgd" and (stage or bf16):
-                        rows.append({**predict(shapes, replace(c, item2=True)), "model": "given"})
         print(render(rows, measured=False), end="")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")

@@ -88,13 +88,16 @@ def gib(n) -> str:
 def render(rows: list[dict]) -> str:
     head = ["config", "cap / rank (GiB)", "depth (layers)", "parameters (M)", "predicted depth",
             "first OOM depth", "peak RSS / rank (GiB)", "bytes / compressed update (MiB)",
-            "bytes / dense update (MiB)", "vs s0-dense-1r", "other outcomes"]
-    ref = {r["cap_bytes"]: r["params"] for r in rows if r["config"] == "s0-dense-1r"}
+            "bytes / dense update (MiB)", "vs one rank at stage 0", "other outcomes"]
+    # Like with like: fp32 rows against one fp32 rank at stage 0, bf16 rows against one bf16 rank.
+    ref = {(r["cap_bytes"], "bf16" in r["config"]): r["params"] for r in rows
+           if r["config"] in ("s0-dense-1r", "s0-dense-bf16-1r")}
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         run = r["run"] or {}
         mib = lambda b: "n/a" if b is None else f"{b / 2**20:.1f}"  # noqa: E731
-        ratio = f"{r['params'] / ref[r['cap_bytes']]:.2f}x" if ref.get(r["cap_bytes"]) else "n/a"
+        one = ref.get((r["cap_bytes"], "bf16" in r["config"]))
+        ratio = f"{r['params'] / one:.2f}x" if one else "n/a"
         lines.append("| " + " | ".join([
             r["config"], gib(r["cap_bytes"]), str(r["layers"]), f"{r['params'] / 1e6:.0f}", str(r["predicted_layers"]),
             str(r["first_oom_layers"]), " / ".join(gib(b) for b in run.get("peak_rss_bytes", [])) or "n/a",

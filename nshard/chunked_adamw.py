@@ -10,9 +10,10 @@ cache; on 2 CPU cores that made ZeRO's step slower than stage 0's over twice the
 cut into pieces of CHUNK_ELEMENTS elements. Every operation of AdamW is elementwise with per-group
 scalars, and the pieces start at multiples of the vector width, so each element is computed by the same
 instructions as before: the result is bit-identical (tests/test_chunked_adamw.py), the temporaries are a
-piece's size, and the working set stays in cache. Anything the plain path does not cover (first step,
-amsgrad, capturable, differentiable, fused, foreach forced on, complex or non-CPU tensors, a closure) is
-left to torch's own step.
+piece's size, and the working set stays in cache. Missing state is created first by torch's own
+_init_group, so the first step goes in pieces too. Anything the plain path does not cover (amsgrad,
+capturable, differentiable, fused, foreach forced on, complex or non-CPU tensors, a closure) is left to
+torch's own step.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def chunk_steps(optimizer, chunk: int = CHUNK_ELEMENTS) -> bool:
 
     @functools.wraps(original)
     def step(closure=None):
+        if closure is None:
+            _init_state(optimizer)
         if closure is not None or not _plain(optimizer):
             return original(closure)
         with torch.no_grad():
@@ -45,6 +48,15 @@ def chunk_steps(optimizer, chunk: int = CHUNK_ELEMENTS) -> bool:
     optimizer.step = step
     optimizer._nshard_chunked = True
     return True
+
+
+def _init_state(optimizer) -> None:
+    """Create missing state with torch's own initialization (_init_group, as step() does), so the first step
+    runs in pieces too: torch's own first step would make full-size temporaries, which on ZeRO's flat
+    partition was the largest transient of the whole run."""
+    for group in optimizer.param_groups:
+        if any(p.grad is not None and not optimizer.state.get(p) for p in group["params"]):
+            optimizer._init_group(group, [], [], [], [], [], [])
 
 
 def _plain(optimizer) -> bool:

@@ -59,8 +59,9 @@ def test_pieces_really_run_and_only_adamw_is_wrapped():
             optimizer.step()
     finally:
         module.adam = real
-    # Step 1 initializes the state through torch's own step; step 2 goes in pieces of 1024 elements.
-    assert calls == [sum(-(-torch.Size(s).numel() // 1024) if torch.Size(s).numel() > 1024 else 1 for s in SHAPES)]
+    # Both steps go in pieces of 1024 elements (the first after torch's own state initialization).
+    pieces = sum(-(-torch.Size(s).numel() // 1024) if torch.Size(s).numel() > 1024 else 1 for s in SHAPES)
+    assert calls == [pieces, pieces]
     assert not chunk_steps(torch.optim.Adam(params), chunk=1024)  # Adam is not AdamW: left alone
     with pytest.raises(ValueError, match="multiple of 64"):
         chunk_steps(torch.optim.AdamW(copy.deepcopy(params)), chunk=1000)
