@@ -24,7 +24,8 @@ L the largest tensor, w bytes per module weight):
   all-reduce of the reducer's remainder, 4D; 4P when a dense warm-up update runs with state allocated).
 - transient: the ingest seam's one gradient at a time (a parameter hook sums each into its accumulator as
   autograd produces it; the heap keeps the largest, w*L), one matrix's output while it is written into
-  ZeRO's partition (4L), AdamW's temporaries (two pieces: 8*min(2^18, the tensor)), activations.
+  ZeRO's partition (4L), AdamW's temporaries (two pieces: 8*min(2^18, the tensor)), the gathered copy of
+  the weights (w*P) that ZeRO-1/2's parameter all-gather makes on gloo at the end of the step, activations.
 Peak = the largest of the phases (backward, reduce, hand-over, step), each the sum of the parts alive in it.
 """
 
@@ -76,6 +77,8 @@ class Config:
     microbatches: int = 1  # per rank per update
     microbatch_sums: str = "exact"  # nshard.microbatch_sums
     reduce_bucket_elements: int = REDUCE_BUCKET_ELEMENTS  # zero_optimization.reduce_bucket_size
+    gathered_copy: bool = True  # ZeRO's parameter all-gather makes a w*P temporary (measured on gloo/CPU;
+    # assumed absent where all_gather_into_tensor is native, e.g. NCCL: not measured here)
 
     @property
     def sums_in_error(self) -> bool:
@@ -134,7 +137,9 @@ def phases(shapes: Shapes, c: Config) -> dict[str, dict[str, float]]:
     act = activation_bytes(shapes, c.tokens_per_microbatch, c.bf16)
     owned = 4 * P / N  # ZeRO's flat gradient partition (fp32)
     if zero:
-        step_temps = 8 * min(P / N, ADAMW_CHUNK_ELEMENTS)
+        # + the parameter all-gather that ends ZeRO's step: on gloo all_gather_into_tensor goes through a
+        # gathered temporary the size of the module's weights (w*P), found by sampling RSS around the step.
+        step_temps = 8 * min(P / N, ADAMW_CHUNK_ELEMENTS) + (w * P if c.gathered_copy else 0)
         grads_backward = {"grads": w * min(P, c.reduce_bucket_elements) + owned}
         # The bucket is gone by the step at both stages (one micro-step per update): a stage-1 term for it
         # over-predicted ZeRO-1 by 10-14% on the 1.7B shapes.
@@ -327,22 +332,22 @@ def capacity(config: Config, cap_bytes: float, baseline: float, max_layers: int 
 
 
 def ratios(shapes: Shapes, worlds=(2, 3, 4, 8), baseline: float = DEFAULT_BASELINE_BYTES) -> str:
-    """Predicted per-rank bytes of one rank at stage 0 over those of N ranks of ZeRO-2 + PowerSGD (the size of
-    model the same cap holds, at this depth), like with like: fp32 with device or host error memory (host: on a
-    GPU the error memory leaves the device), and bf16 against bf16 at stage 0."""
+    """Predicted per-rank bytes of one rank at stage 0 over those of N ranks of ZeRO-2 (the size of model the same
+    cap holds, at this depth), like with like (bf16 against bf16 at stage 0); "gloo" with the gathered copy ZeRO's
+    parameter all-gather makes on CPU, "no gathered copy" without it (a native all-gather, e.g. NCCL: predicted only)."""
     def per_rank(c: Config) -> float:
         return device_bytes(predict(shapes, c, baseline), c)
     one = {bf16: per_rank(Config(stage=0, world=1, bf16=bf16)) for bf16 in (False, True)}
-    head = ["N", "ZeRO-2 dense fp32", "ZeRO-2 PowerSGD fp32", "same, host error memory (GPU)",
-            "ZeRO-2 PowerSGD fp32, separate microbatch sums", "ZeRO-2 PowerSGD bf16 (vs bf16 stage 0)"]
+    head = ["N", "ZeRO-2 dense fp32", "ZeRO-2 PowerSGD fp32, gloo", "same, no gathered copy",
+            "same, separate microbatch sums", "ZeRO-2 PowerSGD bf16, gloo", "same, no gathered copy"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for n in worlds:
-        cells = [per_rank(Config(stage=2, world=n)),
-                 per_rank(Config(stage=2, reducer="powersgd", world=n)),
-                 per_rank(Config(stage=2, reducer="powersgd", world=n, error_place="host")),
-                 per_rank(Config(stage=2, reducer="powersgd", world=n, microbatches=2))]
-        row = [one[False] / b for b in cells] + [one[True] / per_rank(Config(stage=2, reducer="powersgd", world=n,
-                                                                               bf16=True))]
+        fp32 = [Config(stage=2, world=n), Config(stage=2, reducer="powersgd", world=n),
+                Config(stage=2, reducer="powersgd", world=n, gathered_copy=False),
+                Config(stage=2, reducer="powersgd", world=n, microbatches=2, gathered_copy=False)]
+        bf16 = [Config(stage=2, reducer="powersgd", world=n, bf16=True),
+                Config(stage=2, reducer="powersgd", world=n, bf16=True, gathered_copy=False)]
+        row = [one[False] / per_rank(c) for c in fp32] + [one[True] / per_rank(c) for c in bf16]
         lines.append("| " + " | ".join([str(n)] + [f"{r:.2f}x" for r in row]) + " |")
     return "\n".join(lines) + "\n"
 

@@ -44,6 +44,7 @@ def attempt(name: str, spec: str, label: str, cap_bytes: int, out: Path, timeout
         result["bytes_per_dense_update"] = _median([b for b, c in per_update if not c])
         for weights in (run_dir / "model").glob("*.safetensors"):  # GBs each; config.json keeps the shapes
             weights.unlink()
+    shutil.rmtree(run_dir / "state", ignore_errors=True)  # the resumable state: GBs, not needed for the table
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "probe.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
@@ -113,9 +114,11 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name in dict.fromkeys(r["config"] for r in rows):
+    for k, name in enumerate(dict.fromkeys(r["config"] for r in rows)):
         pts = sorted((r["cap_bytes"] / 2**30, r["params"] / 1e6) for r in rows if r["config"] == name)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        # Configurations that reach the same depths overlap: a line style and marker each keeps them apart.
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="os^vDx*"[k % 7], linestyle=("-", "--", ":", "-.")[k % 4],
+                label=name)
     ax.set_xlabel("per-rank memory cap (GiB)")
     ax.set_ylabel("trainable parameters (M), SmolLM2-1.7B-shaped")
     ax.set_title("Deepest model that completes under the cap")
@@ -127,18 +130,22 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cap_gib", default="6", help="per-rank cap(s), comma-separated")
+    parser.add_argument("--cap_gib", default="6", help="per-rank cap(s), comma-separated; none: only --also's rows")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
     parser.add_argument("--out", default=str(REPO / "runs/capacity"))
     parser.add_argument("--max_layers", type=int, default=8)
     parser.add_argument("--timeout_s", type=float, default=900, help="wall-clock limit per attempt")
     parser.add_argument("--keep_models", action="store_true", help="keep the built models (GBs each)")
+    parser.add_argument("--also", action="append", default=[],
+                        help="another capacity directory whose rows join the table and plot (repeatable)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows = [row for other in args.also for row in json.loads((Path(other) / "capacity.json").read_text())]
+    if args.cap_gib == "none":  # only render what --also gives
+        args.cap_gib = ""
     try:
-        for cap in (float(c) for c in args.cap_gib.split(",")):
+        for cap in (float(c) for c in args.cap_gib.split(",") if c):
             for name in args.configs.split(","):
                 rows.append(deepest(name, int(cap * 2**30), out, args.timeout_s, args.max_layers,
                                     lambda msg: print(msg, flush=True)))

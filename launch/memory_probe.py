@@ -157,6 +157,7 @@ def main(argv=None) -> int:
         result = run_capped(arm, arm_ds_config(arm), plan, run_dir, int(args.cap_gib * 2**30), args.timeout_s,
                             overwrite=True)
         result.update(arm=name, model=args.model, spec=spec, **arm)
+        shutil.rmtree(run_dir / "state", ignore_errors=True)  # the resumable state: GBs, not measured here
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "probe.json").write_text(json.dumps(result, indent=1) + "\n")
         print(f"{label}/{name}: {result['outcome']} in {result['wall_s']:.0f} s", flush=True)
