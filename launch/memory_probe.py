@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -25,6 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from launch import zero_stages  # noqa: E402
 from launch.memcap import RankCaps, WRAPPER, warm_extensions  # noqa: E402
+from nshard.launch_env import free_port  # noqa: E402
 
 ALL_ARMS = ("base", "s0-dense", "s0-powersgd", "s1-dense", "s1-powersgd", "s2-dense", "s2-powersgd")
 SMOLLM2_1_7B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=32,
@@ -121,15 +123,27 @@ def run_capped(arm: dict, config: dict, plan: Path, run_dir: Path, cap_bytes: in
     log_path = run_dir.parent / f"{run_dir.name}.log"
     args = argparse.Namespace(plan=str(plan), overwrite=overwrite, timeout_s=timeout_s)
     t0 = time.perf_counter()
-    with RankCaps(cap_bytes, arm["ranks"], tag=run_dir.name[:40]) as caps:
-        code = zero_stages.launch(run_dir, config_path, log_path, args, ranks=arm["ranks"], wrapper=WRAPPER,
-                                  extra_env={**warm_extensions(), **caps.env})
-        usage = caps.usage()
+    port = free_port()
+    try:
+        with RankCaps(cap_bytes, arm["ranks"], tag=run_dir.name[:40]) as caps:
+            code = zero_stages.launch(run_dir, config_path, log_path, args, ranks=arm["ranks"], wrapper=WRAPPER,
+                                      extra_env={**warm_extensions(), **caps.env}, port=port)
+            usage = caps.usage()
+    finally:
+        remove_shm_workspaces(port)
     oom = any(u.oom_kills for u in usage)
     outcome = ("out of memory" if oom else "complete" if code == 0 else "timeout" if code == 124 else "failed")
     return {"outcome": outcome, "exit_code": code, "wall_s": time.perf_counter() - t0, "cap_bytes": cap_bytes,
             "cgroup_max_usage_bytes": [u.max_usage_bytes for u in usage], "oom_kills": [u.oom_kills for u in usage],
             "log": str(log_path)}
+
+
+def remove_shm_workspaces(port: int) -> None:
+    """A rank killed before its workspace name is unlinked (nshard/engine.py does it once every rank has
+    mapped it) leaves DeepSpeed's /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank> behind:
+    remove this launch's own (its port identifies them; no other run uses that port)."""
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"):
+        path.unlink(missing_ok=True)
 
 
 def main(argv=None) -> int:

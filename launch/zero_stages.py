@@ -77,7 +77,7 @@ def arm_config(stage: int, reducer: str, args) -> dict:
 
 
 def launch(run_dir: Path, config_path: Path, log_path: Path, args, ranks: int = 2,
-           wrapper: Path | None = None, extra_env: dict | None = None) -> int:
+           wrapper: Path | None = None, extra_env: dict | None = None, port: int | None = None) -> int:
     """`ranks` ranks on this host; the launcher and its ranks share a session so a timeout ends them all.
 
     wrapper: a program the launcher starts instead of `python nshard/train.py` (deepspeed --no_python),
@@ -85,7 +85,7 @@ def launch(run_dir: Path, config_path: Path, log_path: Path, args, ranks: int = 
     """
     program = ["--no_python", str(wrapper)] if wrapper else [str(REPO / "nshard/train.py")]
     cmd = [str(Path(sys.executable).with_name("deepspeed")), "--hostfile", str(REPO / "hostfile"), "--no_ssh_check",
-           "--num_gpus", str(ranks), "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *program,
+           "--num_gpus", str(ranks), "--master_addr", "127.0.0.1", "--master_port", str(port or free_port()), *program,
            "--ds_config", str(config_path), "--plan", args.plan, "--out", str(run_dir),
            *(["--overwrite"] if args.overwrite else [])]
     # Two ranks x several OpenMP threads on a few cores spin 50-200x slower in collectives.

@@ -46,6 +46,7 @@ def test_capped_run_completes_or_is_reported_out_of_memory(tmp_path):
     from launch.memcap import leftover_groups
 
     prefix = f"nshard-cap-{os.getpid()}-"
+    shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
     fits = attempt("s2-powersgd", "tiny", "tiny", 2 * 2**30, tmp_path, timeout_s=400, rank=2)
     assert fits["outcome"] == "complete", fits
     assert all(b > 0 for b in fits["peak_rss_bytes"]) and fits["bytes_per_compressed_update"] > 0
@@ -53,3 +54,5 @@ def test_capped_run_completes_or_is_reported_out_of_memory(tmp_path):
     assert starved["outcome"] == "out of memory", starved
     assert sum(starved["oom_kills"]) >= 1 and starved["exit_code"] not in (0, 124)
     assert leftover_groups(prefix) == []
+    # The starved rank dies before DeepSpeed's shm workspace name is unlinked; the harness removes it.
+    assert set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) <= shm_before

@@ -138,11 +138,14 @@ def test_down_cleans_up_after_a_crashed_up(user_ssh_config):
 
 def test_ctrl_c_during_up_tears_everything_down(user_ssh_config):
     assert not what_is_left(), "another emulated pair is up (the addresses are fixed): run launch/hosts.sh down"
-    up = subprocess.Popen(["bash", str(HOSTS_SH), "up"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C signals the whole foreground process group, not bash alone: bash defers a SIGINT that only it
+    # received until its running command ends, and then treats it as handled by that command.
+    up = subprocess.Popen(["bash", str(HOSTS_SH), "up"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True)
     try:
         while not Path("/run/netns/nshard-h1").exists() and up.poll() is None:
             time.sleep(0.005)
-        up.send_signal(signal.SIGINT)
+        os.killpg(up.pid, signal.SIGINT)
         _, err = up.communicate(timeout=60)
         assert up.returncode != 0 and "tearing down" in err, err
         assert_nothing_left()
