@@ -138,10 +138,11 @@ def test_down_cleans_up_after_a_crashed_up(user_ssh_config):
 
 def test_ctrl_c_during_up_tears_everything_down(user_ssh_config):
     assert not what_is_left(), "another emulated pair is up (the addresses are fixed): run launch/hosts.sh down"
-    # Ctrl-C signals the whole foreground process group, not bash alone: bash defers a SIGINT that only it
-    # received until its running command ends, and then treats it as handled by that command.
+    # Ctrl-C signals the terminal's foreground process group, whose shell did not start with SIGINT ignored.
+    # A suite started in the background (`cmd &` in a script) ignores SIGINT, and bash can neither trap nor
+    # reset a signal ignored on entry, so `up` starts with SIGINT at its default, in its own group.
     up = subprocess.Popen(["bash", str(HOSTS_SH), "up"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True)
+                          start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         while not Path("/run/netns/nshard-h1").exists() and up.poll() is None:
             time.sleep(0.005)
