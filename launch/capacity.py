@@ -142,10 +142,9 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = [row for other in args.also for row in json.loads((Path(other) / "capacity.json").read_text())]
-    if args.cap_gib == "none":  # only render what --also gives
-        args.cap_gib = ""
+    caps = [] if args.cap_gib == "none" else [float(c) for c in args.cap_gib.split(",")]
     try:
-        for cap in (float(c) for c in args.cap_gib.split(",") if c):
+        for cap in caps:
             for name in args.configs.split(","):
                 rows.append(deepest(name, int(cap * 2**30), out, args.timeout_s, args.max_layers,
                                     lambda msg: print(msg, flush=True)))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -26,7 +25,7 @@ sys.path.insert(0, str(REPO))
 
 from launch import zero_stages  # noqa: E402
 from launch.memcap import RankCaps, WRAPPER, warm_extensions  # noqa: E402
-from nshard.launch_env import free_port  # noqa: E402
+from nshard.launch_env import free_port, shm_workspace  # noqa: E402
 
 ALL_ARMS = ("base", "s0-dense", "s0-powersgd", "s1-dense", "s1-powersgd", "s2-dense", "s2-powersgd")
 SMOLLM2_1_7B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=32,
@@ -140,9 +139,10 @@ def run_capped(arm: dict, config: dict, plan: Path, run_dir: Path, cap_bytes: in
 
 def remove_shm_workspaces(port: int) -> None:
     """A rank killed before its workspace name is unlinked (nshard/engine.py does it once every rank has
-    mapped it) leaves DeepSpeed's /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank> behind:
-    remove this launch's own (its port identifies them; no other run uses that port)."""
-    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"):
+    mapped it) leaves DeepSpeed's workspace behind: remove this launch's own (its port identifies them;
+    no other run uses that port)."""
+    pattern = shm_workspace("127.0.0.1", port, "*")
+    for path in pattern.parent.glob(pattern.name):
         path.unlink(missing_ok=True)
 
 

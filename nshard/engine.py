@@ -174,16 +174,13 @@ def _unlink_shm_workspace() -> None:
     machine ran out (measured: 15 GB after a day of test runs). Once every rank has mapped its
     peers' buffers (by the barrier), the names can go; the mappings live on until exit.
     """
-    import os
-
     import torch.distributed as dist
+
+    from nshard.launch_env import shm_workspace
 
     dist.barrier()
     env = os.environ
-    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR', '')}_"
-            f"{env.get('MASTER_PORT', '')}_{dist.get_rank()}")
-    if os.path.exists(name):
-        os.unlink(name)
+    shm_workspace(env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", ""), dist.get_rank()).unlink(missing_ok=True)
 
 
 def zero_stage(engine) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -11,6 +12,11 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def shm_workspace(addr: str, port, rank) -> Path:
+    """Where DeepSpeed's CPU shared-memory all-reduce keeps a rank's workspace (rank "*" globs them all)."""
+    return Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}")
 
 
 def prepare_process_env() -> None:

@@ -152,8 +152,7 @@ class IngestSeam(ReducerSeam):
             return
         update = None
         if self.into_error:
-            update = self.reducer.reduce_summed({n: self._sum(n) for n in self.params if n not in self.into_error},
-                                                self.device)
+            update = self.reducer.reduce_summed({n: self._sum(n) for n in self.params if n not in self.into_error})
             sources = {n: functools.partial(update.output, n) if n in self.into_error else self._sum(n)
                        for n in self.params}
         else:

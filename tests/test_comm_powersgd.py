@@ -74,7 +74,7 @@ def summed_update(reducer, grads: dict[str, torch.Tensor]) -> dict[str, torch.Te
     sums = reducer.error_sums(torch.device("cpu"))
     for name, target in sums.items():
         target.add_(grads[name])
-    update = reducer.reduce_summed({n: g for n, g in grads.items() if n not in sums}, torch.device("cpu"))
+    update = reducer.reduce_summed({n: g for n, g in grads.items() if n not in sums})
     outputs = {n: g for n, g in grads.items() if n not in sums}
     for name in reversed(sorted(sums)):  # any order: each output depends only on this update's P and Q
         outputs[name] = update.output(name).to(grads[name].dtype, copy=True)  # valid until finish()
@@ -94,7 +94,7 @@ def misuse_scenario(rank: int, world: int) -> dict:
         assert all(sums[n].shape == SHAPES[n] for n in sums)
         dense = {} if place == "host" else {n: torch.zeros(s) for n, s in SHAPES.items()}
         try:
-            reducer.reduce_summed(dense, cpu)
+            reducer.reduce_summed(dense)
             found["host_reduce" if place == "host" else "matrix_as_dense"] = "accepted"
         except ValueError as exc:
             found["host_reduce" if place == "host" else "matrix_as_dense"] = str(exc)

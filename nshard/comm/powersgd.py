@@ -164,8 +164,7 @@ def finish_compressed(state: PowerSGDState, sent: dict[str, int], previous_q: to
 def compressed_update(state: PowerSGDState, grads: Mapping[str, torch.Tensor], transport: Transport) -> None:
     """One PowerSGD update: dense remainder, then P and Q collectives, then output and error."""
     sent, previous_q = start_compressed(state, grads, transport)
-    if state.layout.matrices:
-        decompress_all(state, grads)
+    decompress_all(state, grads)
     finish_compressed(state, sent, previous_q)
 
 
@@ -180,9 +179,9 @@ class SummedUpdate:
     Warm-up (dense) updates average the sums in place in the error memory, which finish() zeroes.
     """
 
-    def __init__(self, reducer: "PowerSGDReducer", dense_grads: Mapping[str, torch.Tensor], device: torch.device):
+    def __init__(self, reducer: "PowerSGDReducer", dense_grads: Mapping[str, torch.Tensor]):
         self.reducer, state = reducer, reducer.state
-        errors = reducer.error_sums(device)
+        errors = reducer._error_views()
         if not errors or set(dense_grads) != set(state.layout.dense_names):
             raise ValueError("reduce_summed() takes the gradients of the dense remainder "
                              f"{list(state.layout.dense_names) if state.layout else []}, after the compressed "
@@ -208,7 +207,7 @@ class SummedUpdate:
         slot = self.slots[name]
         out = torch.matmul(p_block(state.p_flat, slot), q_block(state.q_flat, slot).T)
         round_to_delivered(out, state.delivered_dtypes.get(name))
-        state.errors.settle(name, state.errors.matrix(name, out), out)
+        state.errors.settle(name, state.errors.tensors[name], out)
         return out.view(self.errors[name].shape)
 
     def finish(self) -> None:
@@ -273,14 +272,21 @@ class PowerSGDReducer:
         if not isinstance(state.errors, DeviceErrorMemory) or state.layout is None:
             return {}
         state.errors.ensure(state.layout.matrices, device)
-        return {s.name: state.errors.tensors[s.name].view(state.layout.shapes[s.name])
-                for s in state.layout.matrices}
+        return self._error_views()
 
-    def reduce_summed(self, dense_grads: Mapping[str, torch.Tensor], device: torch.device) -> SummedUpdate:
+    def _error_views(self) -> dict[str, torch.Tensor]:
+        """The existing error memories, parameter-shaped (none before error_sums() or a load made them)."""
+        state = self.state
+        if not isinstance(state.errors, DeviceErrorMemory) or state.layout is None:
+            return {}
+        return {s.name: state.errors.tensors[s.name].view(state.layout.shapes[s.name])
+                for s in state.layout.matrices if s.name in state.errors.tensors}
+
+    def reduce_summed(self, dense_grads: Mapping[str, torch.Tensor]) -> SummedUpdate:
         """Like reduce(), after each compressed matrix's gradient was added to error_sums(): the dense
         remainder's gradients are averaged in place; the matrices' outputs come from the returned
         update's output(name), then its finish()."""
-        return SummedUpdate(self, dense_grads, device)
+        return SummedUpdate(self, dense_grads)
 
     def reduce(self, named_grads: Mapping[str, torch.Tensor]) -> None:
         """Average the gradients over ranks in place: dense during warm-up, PowerSGD after."""
