@@ -138,11 +138,17 @@ def test_down_cleans_up_after_a_crashed_up(user_ssh_config):
 
 def test_ctrl_c_during_up_tears_everything_down(user_ssh_config):
     assert not what_is_left(), "another emulated pair is up (the addresses are fixed): run launch/hosts.sh down"
-    # Ctrl-C signals the terminal's foreground process group, whose shell did not start with SIGINT ignored.
-    # A suite started in the background (`cmd &` in a script) ignores SIGINT, and bash can neither trap nor
-    # reset a signal ignored on entry, so `up` starts with SIGINT at its default, in its own group.
+    # Ctrl-C signals the terminal's foreground process group, whose shell starts with SIGINT neither ignored
+    # nor blocked. A suite may inherit either: started in the background (`cmd &` in a script) it ignores
+    # SIGINT, and bash can neither trap nor reset a signal ignored on entry; a CI runner may block it, and
+    # the blocked mask survives exec, so the signal stays pending while `up` finishes. So `up` starts as a
+    # terminal's shell would, in its own group.
+    def as_from_a_terminal():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
     up = subprocess.Popen(["bash", str(HOSTS_SH), "up"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                          start_new_session=True, preexec_fn=as_from_a_terminal)
     try:
         while not Path("/run/netns/nshard-h1").exists() and up.poll() is None:
             time.sleep(0.005)
