@@ -80,6 +80,8 @@ def arm_row(arm_dir: Path) -> dict:
         **{k: ([r.get(k) for r in receipts] if any(k in r for r in receipts) else None) for k in PER_RANK_KEYS},
         "payload_bytes_compressed_median": median([b for b, _, c in updates if c]),
         "payload_bytes_dense_median": median([b for b, _, c in updates if not c]),
+        # Receipts from before the count existed lack it (None: "n/a").
+        "parameter_bytes_median": median([b for r in receipts for b in r.get("update_parameter_bytes", [])]),
         "update_s_median": median([s for _, s, _ in updates]),
         "update_s_compressed_median": median([s for _, s, c in updates if c]),
         "final_loss": final_loss(arm_dir),
@@ -188,6 +190,7 @@ def md_row(row: dict, gpu: bool) -> list[str]:
             fmt_ranks(row["peak_rss_bytes"]), *([fmt_ranks(row["peak_allocated_bytes"])] if gpu else []),
             fmt_ranks(row["optimizer_state_bytes"]), fmt_ranks(row["master_param_bytes"]),
             fmt_bytes(row["payload_bytes_compressed_median"]), fmt_bytes(row["payload_bytes_dense_median"]),
+            fmt_bytes(row.get("parameter_bytes_median")),
             fmt(row["update_s_median"], ".3f"), fmt(row["update_s_compressed_median"], ".3f"),
             fmt(row["final_loss"], ".4f"), fmt_root(row), equal,
             "ref" if ref else fmt(row["max_abs_diff_vs_stage0"], ".2e")]
@@ -206,14 +209,16 @@ def render_markdown(table: dict) -> str:
     gpu = any(r["peak_allocated_bytes"] for r in table["arms"])
     head = ["arm", "stage", "reducer", "compressed", "peak RSS / rank", *(["GPU peak alloc / rank"] if gpu else []),
             "optimizer state / rank", "master params / rank", "payload / compressed update",
-            "payload / dense update", "update s", "update s (compressed)", "final loss", "parameter root",
+            "payload / dense update", "parameter payload / update", "update s", "update s (compressed)", "final loss", "parameter root",
             "root = stage 0", "max abs diff vs stage 0"]
     lines = [f"# ZeRO stages: plan `{table['plan']}` (`{table['plan_sha256'][:12]}`), {table['world_size']} ranks",
              "", settings_line(table["arms"]), "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(md_row(r, gpu)) + " |" for r in table["arms"]]
     lines += ["", "Per-rank columns list rank 0 first. Payload: gradient bytes one rank hands to "
               "collectives in an update (DeepSpeed's comms logger plus the nshard ledger); payload and update "
-              "seconds are medians over every rank's updates of that kind. Differences against the same "
+              "seconds are medians over every rank's updates of that kind. Parameter payload: the other "
+              "collectives' bytes in an update, at ZeRO-1/2 the all-gather of the updated parameters, which "
+              "PowerSGD does not compress. Differences against the same "
               "reducer's stage-0 arm come from fp32 sums taken in another order: expect small, not zero."]
     lines += [f"\n**WARNING**: the ranks of {r['arm']} disagree on the parameter root; do not use that arm."
               for r in table["arms"] if not r["ranks_agree"]]

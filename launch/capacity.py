@@ -42,6 +42,8 @@ def attempt(name: str, spec: str, label: str, cap_bytes: int, out: Path, timeout
         per_update = [(b, c) for r in receipts for b, c in zip(r["update_grad_bytes"], r["update_compressed"])]
         result["bytes_per_compressed_update"] = _median([b for b, c in per_update if c])
         result["bytes_per_dense_update"] = _median([b for b, c in per_update if not c])
+        # ZeRO-1/2's all-gather of the updated parameters: every update, compressed or not.
+        result["parameter_bytes_per_update"] = _median([b for r in receipts for b in r.get("update_parameter_bytes", [])])
         for weights in (run_dir / "model").glob("*.safetensors"):  # GBs each; config.json keeps the shapes
             weights.unlink()
     shutil.rmtree(run_dir / "state", ignore_errors=True)  # the resumable state: GBs, not needed for the table
@@ -89,7 +91,8 @@ def gib(n) -> str:
 def render(rows: list[dict]) -> str:
     head = ["config", "cap / rank (GiB)", "depth (layers)", "parameters (M)", "predicted depth",
             "first OOM depth", "peak RSS / rank (GiB)", "bytes / compressed update (MiB)",
-            "bytes / dense update (MiB)", "vs one rank at stage 0", "other outcomes"]
+            "bytes / dense update (MiB)", "parameter all-gather / update (MiB)", "vs one rank at stage 0",
+            "other outcomes"]
     # Like with like: fp32 rows against one fp32 rank at stage 0, bf16 rows against one bf16 rank.
     ref = {(r["cap_bytes"], "bf16" in r["config"]): r["params"] for r in rows
            if r["config"] in ("s0-dense-1r", "s0-dense-bf16-1r")}
@@ -102,7 +105,8 @@ def render(rows: list[dict]) -> str:
         lines.append("| " + " | ".join([
             r["config"], gib(r["cap_bytes"]), str(r["layers"]), f"{r['params'] / 1e6:.0f}", str(r["predicted_layers"]),
             str(r["first_oom_layers"]), " / ".join(gib(b) for b in run.get("peak_rss_bytes", [])) or "n/a",
-            mib(run.get("bytes_per_compressed_update")), mib(run.get("bytes_per_dense_update")), ratio,
+            mib(run.get("bytes_per_compressed_update")), mib(run.get("bytes_per_dense_update")),
+            mib(run.get("parameter_bytes_per_update")), ratio,
             json.dumps(r["errors"]) if r["errors"] else ""]) + " |")
     return "\n".join(lines) + "\n"
 

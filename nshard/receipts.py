@@ -45,6 +45,8 @@ class Receipt:
     update_s: list[float] = field(default_factory=list)
     update_grad_bytes: list[int] = field(default_factory=list)
     update_compressed: list[bool] = field(default_factory=list)
+    update_parameter_bytes: list[int] = field(default_factory=list)
+    """Bytes of other collectives per update: under ZeRO-1/2, the all-gather of the updated parameters."""
     active_s: float = 0.0
     other_collective_bytes: int = 0
     state_s: float = 0.0
@@ -58,6 +60,7 @@ class Receipt:
         self.update_s.append(seconds)
         self.update_grad_bytes.append(grad_bytes)
         self.update_compressed.append(compressed)
+        self.update_parameter_bytes.append(other_bytes)
         self.other_collective_bytes += other_bytes
 
     def state_dict(self) -> dict:
@@ -91,6 +94,7 @@ class Receipt:
             "update_grad_bytes": self.update_grad_bytes,
             "update_compressed": self.update_compressed,
             "other_collective_bytes": self.other_collective_bytes,
+            "update_parameter_bytes": self.update_parameter_bytes,
             "by_phase": self.by_phase(),
             "state_s": self.state_s,
             "state_saves": self.state_saves,

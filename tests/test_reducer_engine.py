@@ -72,6 +72,21 @@ def test_ledger_matches_the_formula_and_receipts_separate_warmup(stages):
 
 
 @pytest.mark.slow
+def test_zero_sends_the_updated_parameters_uncompressed_every_update(stages):
+    """ZeRO-1/2 end each step with an all-gather of the updated weights: each rank hands in its fp32
+    partition, so the ranks together send one fp32 copy of the model per update, compressed or not.
+    Stage 0 sends none: every rank steps the whole model itself."""
+    dense = 4 * sum(p.numel() for p in final_params(stages[0]).values())
+    assert all(m["parameter_bytes"] == 0 for m in metrics(stages[0]))
+    assert all(b == 0 for r in receipts(stages[0]) for b in r["update_parameter_bytes"])
+    for stage in (1, 2):
+        rs = receipts(stages[stage])
+        assert [m["parameter_bytes"] for m in metrics(stages[stage])] == rs[0]["update_parameter_bytes"]
+        for per_rank in zip(*(r["update_parameter_bytes"] for r in rs)):
+            assert dense <= sum(per_rank) <= dense + 4 * 64 * len(rs), (stage, per_rank)  # + alignment padding
+
+
+@pytest.mark.slow
 def test_dense_warmup_is_bit_identical_to_the_dense_reducer(runs_root):
     warm = cached_run(runs_root, "psgd-allwarm", tiny_config(stage=0, nshard=psgd(dense_warmup_updates=3)))
     dense = cached_run(runs_root, "nshard-dense", tiny_config(stage=0, nshard={"reducer": "dense"}))

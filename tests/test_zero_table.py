@@ -41,6 +41,7 @@ def make_arm(root: Path, name: str, stage: int, reducer: str, roots=(ROOT_A, ROO
                    "update_grad_bytes": list(grad_bytes[rank]), "update_compressed": [False, True, True],
                    "parameter_root": roots[rank], "peak_rss_bytes": (300 + rank) * 2**20,
                    "optimizer_state_bytes": 4096 // (1 + (stage > 0)), "master_param_bytes": 0 if stage == 0 else 1024,
+                   "update_parameter_bytes": [0 if stage == 0 else 512 + 256 * rank] * 3,
                    **({"peak_allocated_bytes": 2**30} if gpu else {})}
         (arm / "receipts" / f"rank-{rank}.json").write_text(json.dumps(receipt))
     save_file(weights(shift), str(arm / "model" / "model.safetensors"))
@@ -70,7 +71,8 @@ def test_rows_medians_and_formats(tmp_path):
     assert json.loads((tmp_path / "zero_table.json").read_text()) == json.loads(json.dumps(table))
     assert not list(tmp_path.glob("*.tmp"))
     line = next(x for x in md.splitlines() if x.startswith("| stage1-powersgd"))
-    assert "| 2/3 | 300.0 MiB / 301.0 MiB | 2.0 KiB / 2.0 KiB | 1.0 KiB / 1.0 KiB | 11 B | 100 B |" in line
+    assert "| 2/3 | 300.0 MiB / 301.0 MiB | 2.0 KiB / 2.0 KiB | 1.0 KiB / 1.0 KiB | 11 B | 100 B | 640 B |" in line
+    assert rows["stage0-powersgd"]["parameter_bytes_median"] == 0
     assert "| 0.400 | 0.300 | 2.2500 | `bbbbbbbbbbbb` | no | 3.81e-06 |" in line
     assert "GPU peak" not in md and "WARNING" not in md
     assert "Settings: lr 0.002; nshard powersgd rank 2, 1 dense warm-up update(s)." in md
