@@ -24,9 +24,13 @@ L the largest tensor, w bytes per module weight):
   all-reduce of the reducer's remainder, 4D; 4P when a dense warm-up update runs with state allocated).
 - transient: the ingest seam's one gradient at a time (a parameter hook sums each into its accumulator as
   autograd produces it; the heap keeps the largest, w*L), one matrix's output while it is written into
-  ZeRO's partition (4L), AdamW's temporaries (two pieces: 8*min(2^18, the tensor)), the gathered copy of
-  the weights (w*P) that ZeRO-1/2's parameter all-gather makes on gloo at the end of the step, activations.
-Peak = the largest of the phases (backward, reduce, hand-over, step), each the sum of the parts alive in it.
+  ZeRO's partition (4L), AdamW's temporaries (two pieces: 8*min(2^18, the tensor)), activations; in ZeRO-1/2's
+  step, one after another, the gradient norm's fp64 copy of an owned gradient (8L), and what the closing
+  all-gather of the weights stages: nothing under nshard (engine.gather_parameters_in_place sends each
+  partition straight into place; likewise a native all-gather, e.g. NCCL), the whole model (w*P) through
+  torch's all_gather_into_tensor on gloo (runs before nshard did it in place).
+Peak = the largest of the phases (backward, reduce, hand-over, step, all-gather), each the sum of the parts
+alive in it.
 """
 
 from __future__ import annotations
@@ -77,8 +81,9 @@ class Config:
     microbatches: int = 1  # per rank per update
     microbatch_sums: str = "exact"  # nshard.microbatch_sums
     reduce_bucket_elements: int = REDUCE_BUCKET_ELEMENTS  # zero_optimization.reduce_bucket_size
-    gathered_copy: bool = True  # ZeRO's parameter all-gather makes a w*P temporary (measured on gloo/CPU;
-    # assumed absent where all_gather_into_tensor is native, e.g. NCCL: not measured here)
+    # ZeRO's closing all-gather of the weights stages the whole model (torch's all_gather_into_tensor on
+    # gloo: runs before engine.gather_parameters_in_place), or nothing (nshard's in-place ring; native NCCL).
+    gather_staged_whole: bool = False
 
     @property
     def sums_in_error(self) -> bool:
@@ -137,19 +142,22 @@ def phases(shapes: Shapes, c: Config) -> dict[str, dict[str, float]]:
     act = activation_bytes(shapes, c.tokens_per_microbatch, c.bf16)
     owned = 4 * P / N  # ZeRO's flat gradient partition (fp32)
     if zero:
-        # + the parameter all-gather that ends ZeRO's step: on gloo all_gather_into_tensor goes through a
-        # gathered temporary the size of the module's weights (w*P), found by sampling RSS around the step.
-        step_temps = 8 * min(P / N, ADAMW_CHUNK_ELEMENTS) + (w * P if c.gathered_copy else 0)
+        # ZeRO's step holds the owned partition through two transients, one after the other: the gradient
+        # norm's fp64 copy of each owned gradient (8L at most), then AdamW's pieces. It releases the
+        # partition, then all-gathers the weights; gloo stages what one call gathers before copying it
+        # into place. (Sampled RSS: the norm and the whole-model all-gather were each the peak in a run.)
+        step_temps = max(8 * min(L, P / N), 8 * min(P / N, ADAMW_CHUNK_ELEMENTS))
+        gather = {"transient": w * P if c.gather_staged_whole else 0}
         grads_backward = {"grads": w * min(P, c.reduce_bucket_elements) + owned}
         # The bucket is gone by the step at both stages (one micro-step per update): a stage-1 term for it
         # over-predicted ZeRO-1 by 10-14% on the 1.7B shapes.
         grads_step = {"grads": owned}
     elif c.bf16:  # BF16_Optimizer: a full fp32 gradient accumulation buffer, bf16 .grad transient
-        step_temps = 8 * min(P / N, ADAMW_CHUNK_ELEMENTS)
+        step_temps, gather = 8 * min(P / N, ADAMW_CHUNK_ELEMENTS), None
         grads_backward = {"grads": 4 * P + w * L}
         grads_step = {"grads": 4 * P}
     else:
-        step_temps = 8 * min(L, ADAMW_CHUNK_ELEMENTS)
+        step_temps, gather = 8 * min(L, ADAMW_CHUNK_ELEMENTS), None
         grads_backward = {"grads": 4 * P}
         grads_step = {"grads": 4 * P}
     out = {}
@@ -167,6 +175,8 @@ def phases(shapes: Shapes, c: Config) -> dict[str, dict[str, float]]:
             # bf16 at stage 0: HandOver's per-parameter gradient (and its rounded copy) into DeepSpeed's hook.
             out["hand-over"] = {**base, **grads_backward, "transient": held + w * L * 2}
         out["step"] = {**base, **grads_step, "transient": step_temps + held}
+        if gather:
+            out["all-gather"] = {**base, "transient": gather["transient"] + held}
     else:
         out["backward"] = {**base, **grads_backward, "transient": act}
         if c.reducer == "dense" and c.stage == 0 and not c.bf16:
@@ -177,6 +187,8 @@ def phases(shapes: Shapes, c: Config) -> dict[str, dict[str, float]]:
             comm = 0  # ZeRO reduces inside its bucket (counted in grads)
         out["reduce"] = {**base, **grads_backward, "comm": comm}
         out["step"] = {**base, **grads_step, "transient": step_temps}
+        if gather:
+            out["all-gather"] = {**base, **gather}
     return {k: {p: float(v.get(p, 0)) for p in PARTS} for k, v in out.items()}
 
 
@@ -264,6 +276,9 @@ def arm_config(probe: dict, run_dir: Path) -> Config:
     section = ds.get("nshard", {})
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     summed = {m.get("microbatch_sums") for m in metrics} == {"error memory"}
+    receipt = json.loads((run_dir / "receipts" / "rank-0.json").read_text())
+    # Absent: runs from before the receipt said, which gathered through all_gather_into_tensor.
+    in_place = (receipt.get("parameter_all_gather") or {}).get("call", "").startswith("isend/irecv")
     return Config(stage=probe["stage"], reducer=probe["reducer"], bf16=probe["bf16"],
                   error_place=section.get("error_feedback", "device"), world=probe["ranks"],
                   rank=section.get("rank", 32), min_compression_rate=section.get("min_compression_rate", 2.0),
@@ -272,7 +287,8 @@ def arm_config(probe: dict, run_dir: Path) -> Config:
                   # what the run did: one microbatch summed into the error memory, or separate sums
                   microbatches=1 if summed else 2, microbatch_sums=section.get("microbatch_sums", "exact"),
                   reduce_bucket_elements=int(ds.get("zero_optimization", {}).get(
-                      "reduce_bucket_size", REDUCE_BUCKET_ELEMENTS)))
+                      "reduce_bucket_size", REDUCE_BUCKET_ELEMENTS)),
+                  gather_staged_whole=not in_place)
 
 
 def measured_rows(directory: Path) -> list[dict]:
@@ -333,20 +349,21 @@ def capacity(config: Config, cap_bytes: float, baseline: float, max_layers: int 
 
 def ratios(shapes: Shapes, worlds=(2, 3, 4, 8), baseline: float = DEFAULT_BASELINE_BYTES) -> str:
     """Predicted per-rank bytes of one rank at stage 0 over those of N ranks of ZeRO-2 (the size of model the same
-    cap holds, at this depth), like with like (bf16 against bf16 at stage 0); "gloo" with the gathered copy ZeRO's
-    parameter all-gather makes on CPU, "no gathered copy" without it (a native all-gather, e.g. NCCL: predicted only)."""
+    cap holds, at this depth), like with like (bf16 against bf16 at stage 0). ZeRO's closing all-gather of the
+    weights in place (nshard on gloo; a native NCCL all-gather likewise), or "whole model staged": through torch's
+    all_gather_into_tensor on gloo, as DeepSpeed does it."""
     def per_rank(c: Config) -> float:
         return device_bytes(predict(shapes, c, baseline), c)
     one = {bf16: per_rank(Config(stage=0, world=1, bf16=bf16)) for bf16 in (False, True)}
-    head = ["N", "ZeRO-2 dense fp32", "ZeRO-2 PowerSGD fp32, gloo", "same, no gathered copy",
-            "same, separate microbatch sums", "ZeRO-2 PowerSGD bf16, gloo", "same, no gathered copy"]
+    head = ["N", "ZeRO-2 dense fp32", "ZeRO-2 PowerSGD fp32", "same, whole model staged",
+            "same, separate microbatch sums", "ZeRO-2 PowerSGD bf16", "same, whole model staged"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for n in worlds:
         fp32 = [Config(stage=2, world=n), Config(stage=2, reducer="powersgd", world=n),
-                Config(stage=2, reducer="powersgd", world=n, gathered_copy=False),
-                Config(stage=2, reducer="powersgd", world=n, microbatches=2, gathered_copy=False)]
+                Config(stage=2, reducer="powersgd", world=n, gather_staged_whole=True),
+                Config(stage=2, reducer="powersgd", world=n, microbatches=2)]
         bf16 = [Config(stage=2, reducer="powersgd", world=n, bf16=True),
-                Config(stage=2, reducer="powersgd", world=n, bf16=True, gathered_copy=False)]
+                Config(stage=2, reducer="powersgd", world=n, bf16=True, gather_staged_whole=True)]
         row = [one[False] / per_rank(c) for c in fp32] + [one[True] / per_rank(c) for c in bf16]
         lines.append("| " + " | ".join([str(n)] + [f"{r:.2f}x" for r in row]) + " |")
     return "\n".join(lines) + "\n"

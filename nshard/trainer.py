@@ -219,6 +219,7 @@ def run_training(run: Run, overwrite: bool = False, resume_from: Path | None = N
     active_plus_checkpoint = receipt.active_s + receipt.state_s + time.perf_counter() - t0
     extra = {"zero_stage": engine_mod.zero_stage(engine), "reducer": seam.name,
              "prepared_identity": identity, "comms_logged": engine_mod.comms_logged(),
+             "parameter_all_gather": engine_mod.parameter_all_gather(engine),
              **engine_mod.optimizer_memory(engine)}
     body = receipt.finish(run.out / "receipts" / f"rank-{run.rank}.json", root, active_plus_checkpoint, extra)
     dist.barrier()

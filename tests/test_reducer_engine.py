@@ -73,7 +73,7 @@ def test_ledger_matches_the_formula_and_receipts_separate_warmup(stages):
 
 @pytest.mark.slow
 def test_zero_sends_the_updated_parameters_uncompressed_every_update(stages):
-    """ZeRO-1/2 end each step with an all-gather of the updated weights: each rank hands in its fp32
+    """ZeRO-1/2 end each step with an all-gather of the updated weights: with 2 ranks each sends its fp32
     partition, so the ranks together send one fp32 copy of the model per update, compressed or not.
     Stage 0 sends none: every rank steps the whole model itself."""
     dense = 4 * sum(p.numel() for p in final_params(stages[0]).values())
@@ -150,6 +150,18 @@ def test_private_deepspeed_attributes_are_where_nshard_expects_them():
     assert all(f"self.{a} =" in init_src for a in ("params_in_partition", "partition_size", "averaged_gradients"))
     assert "self._get_preflattened_grad_partition(i)" in inspect.getsource(DeepSpeedZeroOptimizer.step)
     assert "flat_partition" in inspect.getsource(DeepSpeedZeroOptimizer._get_preflattened_grad_partition)
+    # gather_parameters_in_place: the partitioned optimizers' steps gather the weights by calling the
+    # all_gather_dp_groups of their own module's namespace, with the arguments nshard's replacement takes.
+    from deepspeed.runtime import bf16_optimizer
+    from deepspeed.runtime import utils as ds_utils
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    from nshard.engine import _all_gather_dp_groups_in_place
+    assert (list(inspect.signature(ds_utils.all_gather_dp_groups).parameters)
+            == list(inspect.signature(_all_gather_dp_groups_in_place).parameters))
+    for module, step in ((stage_1_and_2, DeepSpeedZeroOptimizer.step), (bf16_optimizer, bf16_optimizer.BF16_Optimizer)):
+        assert "all_gather_dp_groups" in vars(module), module
+        assert "all_gather_dp_groups(groups_flat=" in inspect.getsource(step), module
 
 
 # Pinned with the pre-change ingest seam (commit d58d7db: torch.autograd.grad's all-at-once gradients
@@ -190,11 +202,14 @@ PINNED_ONE_MICROBATCH_BF16_ROOT = "50aa0ef3769c52c124a9bbe05a4729bf82dbdc495e9ba
 def test_one_microbatch_updates_sum_into_the_error_memory_and_keep_the_pinned_root(runs_root, bf16, pinned):
     """Issue 9 item 2: with one microbatch per update the matrices' gradients go straight into the error
     memory, each output is computed as it is written into ZeRO's partition, and AdamW steps the flat
-    partition in pieces (1024 elements here, so the tiny model's partition is cut); not a bit changes."""
+    partition in pieces (1024 elements here, so the tiny model's partition is cut), and the closing
+    all-gather of the weights goes by isend/irecv straight into place (engine.gather_parameters_in_place);
+    not a bit changes."""
     plan = runs_root / "tiny-one-microbatch.toml"
     plan.write_text((REPO / "launch/plans/tiny.toml").read_text().replace("microbatch_docs = 2", "microbatch_docs = 3"))
     out = runs_root / ("one-microbatch" + ("-bf16" if bf16 else ""))
     launch(out, tiny_config(stage=2, nshard=psgd(rank=4), bf16=bf16), plan=plan, env={"NSHARD_ADAMW_CHUNK": "1024"})
+    assert all(r["parameter_all_gather"]["call"] == "isend/irecv ring into the flat weights" for r in receipts(out))
     assert json.loads((out / "run.json").read_text())["parameter_root"] == pinned
     ms = metrics(out)
     assert [m["compressed"] for m in ms] == [False, True, True]

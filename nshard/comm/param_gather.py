@@ -1,0 +1,47 @@
+"""The all-gather that ends a partitioned optimizer step, in place, for gloo.
+
+ZeRO-1/2 (and DeepSpeed's BF16_Optimizer) end every step by gathering each rank's updated partition of
+the flat weights into everyone's copy (deepspeed.runtime.utils.all_gather_dp_groups). On gloo, torch's
+all_gather and all_gather_into_tensor gather into a staging tensor as large as the whole output and
+copy it into place afterwards: one more copy of the weights at the end of every step, and (measured
+here, 2 ranks on one host, 256 MB per rank) 0.55 s where sending each partition straight into its
+place takes 0.15-0.2 s.
+
+ring_all_gather_ moves the same bytes with isend/irecv directly between the partitions' own memory:
+in step s of N-1 each rank sends block (me - s) to its right neighbour and receives block (me - s - 1)
+from its left one. Every rank ends with every partition, bit for bit what the collective gives.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def ring_all_gather_(partitions: Sequence[torch.Tensor], group=None, isend: Callable = dist.isend,
+                     irecv: Callable = dist.irecv) -> int:
+    """Fill every partitions[i] with rank i's (in `group`); partitions[me] is this rank's contribution.
+
+    The partitions are contiguous, distinct tensors (views into one flat buffer are fine), the same sizes
+    on every rank. isend/irecv take (tensor, peer global rank, group). Returns the bytes this rank sent.
+    """
+    n = dist.get_world_size(group=group)
+    if len(partitions) != n:
+        raise ValueError(f"{len(partitions)} partitions for a group of {n} ranks")
+    if n == 1:
+        return 0
+    me = dist.get_rank(group=group)
+    right = dist.get_global_rank(group, (me + 1) % n) if group is not None else (me + 1) % n
+    left = dist.get_global_rank(group, (me - 1) % n) if group is not None else (me - 1) % n
+    sent = 0
+    for step in range(n - 1):
+        outgoing, incoming = partitions[(me - step) % n], partitions[(me - step - 1) % n]
+        if not (outgoing.is_contiguous() and incoming.is_contiguous()):
+            raise ValueError("ring_all_gather_ needs contiguous partitions (they are written in place)")
+        requests = [isend(outgoing, right, group), irecv(incoming, left, group)]
+        for request in requests:
+            request.wait()
+        sent += outgoing.numel() * outgoing.element_size()
+    return sent
