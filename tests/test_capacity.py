@@ -11,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from analysis.memory_model import Config, compression, predict, smollm2_1_7b  # noqa: E402
+from analysis.memory_model import Config, compression, phases, predict, smollm2_1_7b  # noqa: E402
 
 
 def test_compression_matches_the_reducers_layout():
@@ -35,7 +35,13 @@ def test_pooling_shrinks_the_optimizer_and_the_ingest_path_pays_it_back():
     # Under an nshard reducer ZeRO keeps no bucket: beyond ZeRO dense's own state only the error memory,
     # P/Q, the dense remainder's sums and one-tensor transients remain.
     dense = predict(shapes, Config(stage=2, world=2))["parts_bytes"]
-    assert summed["parts_bytes"]["grads"] == dense["grads"] - 4 * shapes.params  # no bucket (P < reduce_bucket_size)
+    # No bucket (P < reduce_bucket_size) and no gradient waiting for DeepSpeed's hook (4L).
+    assert summed["parts_bytes"]["grads"] == dense["grads"] - 4 * shapes.params - 4 * shapes.largest
+    # torch's all_gather_into_tensor on gloo stages the whole model; nshard's in-place ring stages nothing.
+    gather = {whole: phases(shapes, Config(stage=2, reducer="powersgd", gather_staged_whole=whole))["all-gather"]
+              for whole in (False, True)}
+    assert gather[True]["transient"] - gather[False]["transient"] == 4 * shapes.params
+    assert gather[False]["grads"] == 0  # ZeRO releases the gradient partition before it gathers
 
 
 @pytest.mark.slow
