@@ -14,6 +14,7 @@ import argparse
 import copy
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -130,6 +131,8 @@ def main(argv=None) -> int:
             print(f"{tail}\nzero_stages: error: arm {run_dir.name} failed (exit {code}); log {log_path}",
                   file=sys.stderr)
             return 1
+        # The arm's resumable state (GBs per arm on the embedded model) serves no comparison; it filled the disk.
+        shutil.rmtree(run_dir / "state", ignore_errors=True)
         print(f"{run_dir.name}: done in {time.perf_counter() - t0:.1f} s", flush=True)
     try:
         write_table(out)

@@ -14,7 +14,7 @@ from its left one. Every rank ends with every partition, bit for bit what the co
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
