@@ -147,7 +147,7 @@ def phases(shapes: Shapes, c: Config) -> dict[str, dict[str, float]]:
         # partition, then all-gathers the weights; gloo stages what one call gathers before copying it
         # into place. (Sampled RSS: the norm and the whole-model all-gather were each the peak in a run.)
         step_temps = max(8 * min(L, P / N), 8 * min(P / N, ADAMW_CHUNK_ELEMENTS))
-        gather = {"transient": w * P if c.gather_staged_whole else 0}
+        staged = w * P if c.gather_staged_whole else 0
         # + the gradient autograd has just produced, which DeepSpeed's hook copies into the bucket and then
         # drops: w*L at most (the model left it out and under-predicted ZeRO-2 dense at one 1.7B layer,
         # whose tied 100M-element embedding makes the peak in backward, by 14%; sampled RSS).
@@ -156,11 +156,11 @@ def phases(shapes: Shapes, c: Config) -> dict[str, dict[str, float]]:
         # over-predicted ZeRO-1 by 10-14% on the 1.7B shapes.
         grads_step = {"grads": owned}
     elif c.bf16:  # BF16_Optimizer: a full fp32 gradient accumulation buffer, bf16 .grad transient
-        step_temps, gather = 8 * min(P / N, ADAMW_CHUNK_ELEMENTS), None
+        step_temps, staged = 8 * min(P / N, ADAMW_CHUNK_ELEMENTS), None  # None: no all-gather phase
         grads_backward = {"grads": 4 * P + w * L}
         grads_step = {"grads": 4 * P}
     else:
-        step_temps, gather = 8 * min(L, ADAMW_CHUNK_ELEMENTS), None
+        step_temps, staged = 8 * min(L, ADAMW_CHUNK_ELEMENTS), None
         grads_backward = {"grads": 4 * P}
         grads_step = {"grads": 4 * P}
     out = {}
@@ -178,8 +178,8 @@ def phases(shapes: Shapes, c: Config) -> dict[str, dict[str, float]]:
             # bf16 at stage 0: HandOver's per-parameter gradient (and its rounded copy) into DeepSpeed's hook.
             out["hand-over"] = {**base, **grads_backward, "transient": held + w * L * 2}
         out["step"] = {**base, **grads_step, "transient": step_temps + held}
-        if gather:
-            out["all-gather"] = {**base, "transient": gather["transient"] + held}
+        if staged is not None:
+            out["all-gather"] = {**base, "transient": staged + held}
     else:
         out["backward"] = {**base, **grads_backward, "transient": act}
         if c.reducer == "dense" and c.stage == 0 and not c.bf16:
@@ -190,8 +190,8 @@ def phases(shapes: Shapes, c: Config) -> dict[str, dict[str, float]]:
             comm = 0  # ZeRO reduces inside its bucket (counted in grads)
         out["reduce"] = {**base, **grads_backward, "comm": comm}
         out["step"] = {**base, **grads_step, "transient": step_temps}
-        if gather:
-            out["all-gather"] = {**base, **gather}
+        if staged is not None:
+            out["all-gather"] = {**base, "transient": staged}
     return {k: {p: float(v.get(p, 0)) for p in PARTS} for k, v in out.items()}
 
 
@@ -274,12 +274,11 @@ def max_microbatch_tokens(run_dir: Path) -> int:
     return longest
 
 
-def arm_config(probe: dict, run_dir: Path) -> Config:
+def arm_config(probe: dict, run_dir: Path, receipt: dict) -> Config:
     ds = json.loads((run_dir / "ds_config.json").read_text())
     section = ds.get("nshard", {})
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     summed = {m.get("microbatch_sums") for m in metrics} == {"error memory"}
-    receipt = json.loads((run_dir / "receipts" / "rank-0.json").read_text())
     # Absent: runs from before the receipt said, which gathered through all_gather_into_tensor.
     in_place = (receipt.get("parameter_all_gather") or {}).get("call", "").startswith("isend/irecv")
     return Config(stage=probe["stage"], reducer=probe["reducer"], bf16=probe["bf16"],
@@ -304,9 +303,9 @@ def measured_rows(directory: Path) -> list[dict]:
         base_path = run_dir.parent / "base" / "probe.json"
         baseline = measured_peak(base_path.parent) if base_path.is_file() else DEFAULT_BASELINE_BYTES
         shapes = model_shapes(run_dir / "model")
-        config = arm_config(probe, run_dir)
-        pred = predict(shapes, config, baseline)
         receipts = [json.loads(p.read_text()) for p in sorted((run_dir / "receipts").glob("rank-*.json"))]
+        config = arm_config(probe, run_dir, receipts[0])
+        pred = predict(shapes, config, baseline)
         measured = max(r["peak_rss_bytes"] for r in receipts)
         rows.append({**pred, "model": probe["model"], "measured_bytes": measured,
                      "measured_optimizer_state_bytes": receipts[0].get("optimizer_state_bytes"),

@@ -209,8 +209,8 @@ def render_markdown(table: dict) -> str:
     gpu = any(r["peak_allocated_bytes"] for r in table["arms"])
     head = ["arm", "stage", "reducer", "compressed", "peak RSS / rank", *(["GPU peak alloc / rank"] if gpu else []),
             "optimizer state / rank", "master params / rank", "payload / compressed update",
-            "payload / dense update", "parameter payload / update", "update s", "update s (compressed)", "final loss", "parameter root",
-            "root = stage 0", "max abs diff vs stage 0"]
+            "payload / dense update", "parameter payload / update", "update s", "update s (compressed)",
+            "final loss", "parameter root", "root = stage 0", "max abs diff vs stage 0"]
     lines = [f"# ZeRO stages: plan `{table['plan']}` (`{table['plan_sha256'][:12]}`), {table['world_size']} ranks",
              "", settings_line(table["arms"]), "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(md_row(r, gpu)) + " |" for r in table["arms"]]

@@ -142,29 +142,32 @@ def build_engine(model: torch.nn.Module, config: dict):
         # DeepSpeed's stage-0 zero_grad sets .grad to None; keep the buffers and zero them, so
         # every parameter has a gradient (zero if unused) in every update and nothing is reallocated.
         engine.zero_grad = lambda: _zero_grads_in_place(engine.module)
-    if zero_stage(engine) in (1, 2) or engine.bfloat16_enabled():
+    if partitioned_optimizer(engine):
         gather_parameters_in_place()
     return engine
 
 
-def gather_parameters_in_place() -> bool:
+def partitioned_optimizer(engine) -> bool:
+    """Whether DeepSpeed steps a partitioned optimizer here: ZeRO-1/2, or BF16_Optimizer at stage 0."""
+    return zero_stage(engine) in (1, 2) or engine.bfloat16_enabled()
+
+
+def gather_parameters_in_place() -> None:
     """On gloo, DeepSpeed's partitioned optimizers (ZeRO-1/2, BF16_Optimizer) end each step with an
     all-gather of the updated weights through nshard/comm/param_gather.py's ring of isend/irecv straight
     into the flat weights, instead of torch's all_gather_into_tensor, which gloo stages whole (one more copy
     of the weights per rank at the end of every step) and runs ~3x slower. The same bytes land in the same
     places, so the model is unchanged bit for bit. Sends are logged (PARAMETER_GATHER_LOG_NAME), so the
-    receipts count them. Where the all-gather is native (NCCL), nothing changes. Returns whether the switch
-    was made (process-wide: one engine per process).
+    receipts count them. Where the all-gather is native (NCCL), nothing changes. The switch is process-wide
+    (one engine per process); parameter_all_gather reports it.
     """
     import torch.distributed as dist
     from deepspeed.runtime import bf16_optimizer
     from deepspeed.runtime.zero import stage_1_and_2
 
-    if dist.get_backend() != "gloo":
-        return False
-    for module in (stage_1_and_2, bf16_optimizer):
-        module.all_gather_dp_groups = _all_gather_dp_groups_in_place
-    return True
+    if dist.get_backend() == "gloo":
+        for module in (stage_1_and_2, bf16_optimizer):
+            module.all_gather_dp_groups = _all_gather_dp_groups_in_place
 
 
 def _all_gather_dp_groups_in_place(groups_flat, partitioned_param_groups, dp_process_group, start_alignment_factor,
@@ -188,7 +191,7 @@ def parameter_all_gather(engine) -> dict | None:
     partitioned optimizer)."""
     from deepspeed.runtime.zero import stage_1_and_2
 
-    if not (zero_stage(engine) in (1, 2) or engine.bfloat16_enabled()):
+    if not partitioned_optimizer(engine):
         return None
     if stage_1_and_2.all_gather_dp_groups is _all_gather_dp_groups_in_place:
         return {"call": "isend/irecv ring into the flat weights", "log_name": PARAMETER_GATHER_LOG_NAME}

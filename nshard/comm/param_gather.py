@@ -30,6 +30,8 @@ def ring_all_gather_(partitions: Sequence[torch.Tensor], group=None, isend: Call
     n = dist.get_world_size(group=group)
     if len(partitions) != n:
         raise ValueError(f"{len(partitions)} partitions for a group of {n} ranks")
+    if not all(p.is_contiguous() for p in partitions):
+        raise ValueError("ring_all_gather_ needs contiguous partitions (they are written in place)")
     if n == 1:
         return 0
     me = dist.get_rank(group=group)
@@ -38,8 +40,6 @@ def ring_all_gather_(partitions: Sequence[torch.Tensor], group=None, isend: Call
     sent = 0
     for step in range(n - 1):
         outgoing, incoming = partitions[(me - step) % n], partitions[(me - step - 1) % n]
-        if not (outgoing.is_contiguous() and incoming.is_contiguous()):
-            raise ValueError("ring_all_gather_ needs contiguous partitions (they are written in place)")
         requests = [isend(outgoing, right, group), irecv(incoming, left, group)]
         for request in requests:
             request.wait()
