@@ -4,7 +4,9 @@ quality and speed screens, the report tables and the plots. Reads the study dire
     python -m analysis.study STUDY_DIR
 
 Reads STUDY_DIR/study.json (the arms, the declared screens, what the runner saw), the arms' run
-directories (run.json, receipts, metrics.jsonl), STUDY_DIR/commitment.json and STUDY_DIR/eval/*/.
+directories (run.json, receipts, metrics.jsonl), STUDY_DIR/commitment.json and STUDY_DIR/eval/*/, and
+hashes again the model files the commitment names: a score counts only if the record names exactly
+those files under exactly that label (nshard.commit's checks, which need no torch).
 Writes STUDY_DIR/results.json, STUDY_DIR/report.md and STUDY_DIR/plots/*.png; prints the main table.
 """
 
@@ -18,6 +20,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from analysis.paired import PairingError, cases_for_one_loss, mean_interval, paired_bounds
+from nshard.commit import CommitError, check_committed_as, load_commitment, model_files
 
 FAMILY_TITLES = {"lookup": "Lookup", "filtering": "Filtering", "sorting": "Sorting", "invoice": "Invoice totals"}
 
@@ -47,6 +50,42 @@ def read_jsonl(path: Path) -> list[dict]:
                 except json.JSONDecodeError as exc:
                     raise StudyError(f"{path}:{lineno}: not valid JSON ({exc})") from None
     return rows
+
+
+# ---------------------------------------------------------------- commit-before-score
+
+
+def check_scores(study_dir: Path, study: dict, record: dict) -> list[str]:
+    """Every score file against the study's record. A score under a label the record does not give exactly
+    that model's files, or a committed model whose files or parameter root changed since, is a StudyError
+    naming the file; scores made without the record (exploratory) are returned as reasons that make the
+    whole result exploratory."""
+    entries = {e["name"]: e for e in [record["seed"], *record["candidates"]]}
+    reasons = []
+    complete = [a for a in study["arms"] if a["status"] == "complete"]
+    for label in ["seed", *(a["name"] for a in complete)]:
+        path = study_dir / "eval" / label / "summary.json"
+        summary = read_json(path)
+        rows = [r for name in ("cases.jsonl", "retention.jsonl") for r in read_jsonl(path.parent / name)]
+        if summary.get("exploratory") or summary.get("commitment") is None or any(r.get("exploratory") for r in rows):
+            reasons.append(f"{path.parent} was scored without the commitment (exploratory)")
+            continue
+        if summary["commitment"] != record["record_sha256"]:
+            raise StudyError(f"{path}: scored under commitment {str(summary['commitment'])[:16]}, not this study's "
+                             f"{record['record_sha256'][:16]}; score it again under this study's record")
+        try:
+            check_committed_as(record, label, summary.get("model_files"))
+            if summary.get("committed_as") != label:
+                raise CommitError(f"{label}: the summary says committed_as={summary.get('committed_as')!r}")
+            check_committed_as(record, label, model_files(Path(entries[label]["model_dir"])))
+        except CommitError as exc:
+            raise StudyError(f"{path}: {exc}") from None
+    for arm in complete:
+        run = read_json(Path(arm["run_dir"]) / "run.json")
+        if run["parameter_root"] != entries[arm["name"]]["parameter_root"]:
+            raise StudyError(f"{arm['run_dir']}/run.json: parameter root {run['parameter_root'][:16]} is not the "
+                             f"one commitment {record['record_sha256'][:16]} records for {arm['name']}")
+    return reasons
 
 
 # ---------------------------------------------------------------- learning
@@ -173,7 +212,14 @@ def analyze(study_dir: Path) -> dict:
     study = read_json(study_dir / "study.json")
     screens, conf = study["screens"], study["screens"]["confidence"]
     exploratory = bool(study.get("exploratory"))
-    commitment = None if exploratory else read_json(study_dir / "commitment.json")
+    commitment, exploratory_reasons = None, ["the study ran with --exploratory"] if exploratory else []
+    if not exploratory:
+        try:  # the record's own hash; then every score file is checked against it
+            commitment = load_commitment(study_dir / "commitment.json")
+        except CommitError as exc:
+            raise StudyError(str(exc)) from None
+        exploratory_reasons = check_scores(study_dir, study, commitment)
+        exploratory = bool(exploratory_reasons)
     seed_rows = read_jsonl(study_dir / "eval" / "seed" / "cases.jsonl")
     seed = {"name": "seed", **accuracy_block(seed_rows, conf),
             "model_files": read_json(study_dir / "eval" / "seed" / "summary.json")["model_files"]}
@@ -223,7 +269,7 @@ def analyze(study_dir: Path) -> dict:
     quality = quality_screen(candidate, seed, comparisons, failed_controls, screens)
     speed = speed_screen(arms, study["candidate"], study["speed_baseline"], screens)
     return {
-        "exploratory": exploratory,
+        "exploratory": exploratory, "exploratory_reasons": exploratory_reasons,
         "commitment_sha256": commitment_sha,
         "source": commitment["source"] if commitment else None,
         "prepared_identity": identity,
@@ -305,7 +351,8 @@ def screen_lines(screen: dict) -> list[str]:
 
 
 def render_report(results: dict) -> str:
-    flag = "EXPLORATORY — scored without a commitment; no screen below is a decision.\n\n" if results["exploratory"] else ""
+    flag = ("EXPLORATORY — scored without a commitment; no screen below is a decision ("
+            + "; ".join(results.get("exploratory_reasons") or []) + ").\n\n") if results["exploratory"] else ""
     q, s = results["screens"]["quality"], results["screens"]["speed"]
     lines = [f"# Study report{' (exploratory)' if results['exploratory'] else ''}", "", *([flag.strip(), ""] if flag else []),
              f"Candidate: `{results['candidate']}`. Commitment record: `{results['commitment_sha256']}`. "

@@ -104,6 +104,20 @@ def load_commitment(path: Path) -> dict:
     return body
 
 
+def check_committed_as(record: dict, label: str, files: dict[str, str]) -> None:
+    """A score counts only under the name the record gives exactly these files: `label` must name an entry
+    of the record (the seed or a candidate) whose files are these; anything else is a CommitError."""
+    entries = {e["name"]: e for e in [record["seed"], *record["candidates"]]}
+    entry = entries.get(label)
+    if entry is not None and entry["files"] == files:
+        return
+    named = committed_name(record, files)
+    why = (f"the record commits these files as {named!r}, not {label!r}; score it under --label {named}"
+           if named is not None else "the record names no model with these files")
+    raise CommitError(f"{label}: commitment {record['record_sha256'][:12]} does not commit this model as "
+                      f"{label!r}: {why}")
+
+
 def committed_name(record: dict, files: dict[str, str]) -> str | None:
     """The name under which the record commits a model with exactly these files, or None."""
     for entry in [record["seed"], *record["candidates"]]:

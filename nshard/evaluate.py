@@ -167,7 +167,8 @@ def score_model(label: str, model_dir: Path, run_dir: Path, out: Path, *, commit
                             f"{record['record_sha256'][:12]}); its files changed after the commitment, or it was "
                             "never committed. Commit it with the other candidates first, or pass --exploratory "
                             "(every output then says exploratory)")
-        committed = {"commitment": record["record_sha256"], "committed_as": name, "exploratory": False}
+        commit_mod.check_committed_as(record, label, files)  # a committed model scored under another label
+        committed = {"commitment": record["record_sha256"], "committed_as": label, "exploratory": False}
     sets = load_run_sets(run_dir)
     seed_by_doc = None
     if seed_eval is not None:

@@ -119,15 +119,17 @@ def commit_candidates(out: Path, seed_dir: Path, arms: dict[str, Path]) -> dict:
     path = out / "commitment.json"
     fresh = commit.build_commitment(seed_dir, arms)
     if path.is_file():
-        try:
-            old = commit.load_commitment(path)
-        except commit.CommitError:
-            old = None
+        # An earlier record is evidence: a damaged one, or one naming other models, stops the study rather
+        # than being replaced without a word (scores made under it would lose what vouched for them).
+        old = commit.load_commitment(path)  # CommitError names the damage
+
         def key(record):
             return [(c["name"], c["files"], c["parameter_root"]) for c in record["candidates"]], record["seed"]["files"]
-        if old is not None and key(old) == key(fresh):
-            say(f"commitment {old['record_sha256'][:16]} already names these candidates; kept")
-            return old
+        if key(old) != key(fresh):
+            raise commit.CommitError(f"{path} (record {old['record_sha256'][:16]}) commits other models than this "
+                                     "run trained; keep it as evidence, move it aside and run the study again")
+        say(f"commitment {old['record_sha256'][:16]} already names these candidates; kept")
+        return old
     write_json_atomic(path, fresh)
     say(f"committed {len(arms)} candidate(s) before scoring: record {fresh['record_sha256'][:16]} ({path})")
     return fresh

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -87,9 +88,12 @@ def test_paired_cli_reads_files_and_refuses_different_case_ids(tmp_path):
         paired_bounds({"a": True}, {"b": True})
 
 
-def test_analysis_never_imports_torch_or_nshard():
+def test_analysis_never_imports_torch_or_the_trainer():
+    """Analysis reads files: no torch, no DeepSpeed, and of nshard only the record checks (standard library)."""
     code = ("import sys, analysis.study, analysis.paired; "
-            "bad = [m for m in ('torch', 'nshard') if m in sys.modules]; assert not bad, bad")
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed', 'transformers') "
+            "or (m.startswith('nshard') and m not in ('nshard', 'nshard.commit', 'nshard.export', 'nshard.files'))]; "
+            "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
 
 
@@ -114,9 +118,31 @@ def make_arm(root: Path, name: str, ranks: int, process_s: float, correct: list[
             "by_phase": {"dense": {"updates": 2, "median_update_s": 1.0},
                          "compressed": {"updates": 0, "median_update_s": None}}}))
     write_jsonl(run / "metrics.jsonl", [{"update": 1, "loss": 2.0}, {"update": 2, "loss": 1.5}])
+    (run / "model").mkdir()
+    (run / "model" / "model.safetensors").write_text(f"weights of {name}")
     write_eval(root, name, correct, changes)
     return {"name": name, "ranks": ranks, "ds_config": "x.json", "status": "complete", "run_dir": str(run),
             "log": f"logs/{name}.log"}
+
+
+def commit_study(root: Path, arms: list[dict]) -> None:
+    """The record nshard.commit would write for these arms and the seed, and every summary scored under it."""
+    from nshard.commit import model_files, record_sha256
+
+    seed_dir = root / "seed-model"
+    seed_dir.mkdir(exist_ok=True)
+    (seed_dir / "model.safetensors").write_text("seed weights")
+    entry = lambda name, d: {"name": name, "model_dir": str(d), "files": model_files(d)}  # noqa: E731
+    body = {"kind": "nshard-commitment", "version": 1, "source": {"commit": "abc", "dirty": False},
+            "seed": entry("seed", seed_dir),
+            "candidates": [{**entry(a["name"], Path(a["run_dir"]) / "model"), "parameter_root": f"root-{a['name']}"}
+                           for a in arms if a["status"] == "complete"]}
+    body["record_sha256"] = record_sha256(body)
+    (root / "commitment.json").write_text(json.dumps(body))
+    for e in [body["seed"], *body["candidates"]]:
+        (root / "eval" / e["name"] / "summary.json").write_text(json.dumps(
+            {"model_files": e["files"], "commitment": body["record_sha256"], "committed_as": e["name"],
+             "exploratory": False}))
 
 
 def write_eval(root: Path, name: str, correct: list[bool], changes: list[float] | None):
@@ -136,8 +162,7 @@ def make_study(root: Path, *, candidate_correct: int, retention_shift: float, ca
             make_arm(root, "dense", 2, 95.0, [i < dense_correct for i in range(n)], [0.0] * 16),
             make_arm(root, "powersgd", 2, candidate_process_s, [i < candidate_correct for i in range(n)], changes)]
     write_eval(root, "seed", [i < 20 for i in range(n)], None)
-    (root / "commitment.json").write_text(json.dumps({"record_sha256": "c" * 64, "source": {"commit": "abc",
-                                                                                            "dirty": False}}))
+    commit_study(root, arms)
     (root / "study.json").write_text(json.dumps({"plan_sha256": "p", "candidate": "powersgd",
                                                  "speed_baseline": "one-rank", "screens": SCREENS,
                                                  "exploratory": False, "arms": arms}))
@@ -200,6 +225,7 @@ def gain_study(root: Path, seed_correct: int, candidate_correct: int, n: int = 8
     write_eval(root, "seed", [i < seed_correct for i in range(n)], None)
     for arm in ("one-rank", "dense", "powersgd"):
         write_eval(root, arm, [i < candidate_correct for i in range(n)], [0.001 * ((i % 5) - 2) for i in range(16)])
+    commit_study(root, json.loads((root / "study.json").read_text())["arms"])
     return root
 
 
@@ -251,3 +277,64 @@ def test_bad_study_input_exits_2_with_one_line(tmp_path, damage):
     proc = subprocess.run([sys.executable, "-m", "analysis.study", str(root)], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("analysis.study: error:")
+
+
+# ---------------------------------------------------------------- attacks on commit-before-score
+
+def edit_record(root: Path, edit) -> None:
+    """Edit the commitment and recompute its own hash, as a forger would (every summary follows it)."""
+    from nshard.commit import record_sha256
+
+    body = json.loads((root / "commitment.json").read_text())
+    edit(body)
+    body["record_sha256"] = record_sha256(body)
+    (root / "commitment.json").write_text(json.dumps(body))
+    for summary in (root / "eval").glob("*/summary.json"):
+        s = json.loads(summary.read_text())
+        summary.write_text(json.dumps({**s, "commitment": body["record_sha256"]}))
+
+
+def refused(root: Path) -> str:
+    proc = subprocess.run([sys.executable, "-m", "analysis.study", str(root)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    return proc.stderr
+
+
+def test_a_label_swap_is_refused(tmp_path):
+    """The dense arm's scores placed under the candidate's label: the record commits those files as dense."""
+    root = make_study(tmp_path, candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
+    shutil.rmtree(root / "eval" / "powersgd")
+    shutil.copytree(root / "eval" / "dense", root / "eval" / "powersgd")
+    err = refused(root)
+    assert "eval/powersgd/summary.json" in err and "commits these files as 'dense', not 'powersgd'" in err
+
+
+def test_laundered_exploratory_scores_make_the_whole_result_exploratory(tmp_path):
+    root = make_study(tmp_path, candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
+    summary = root / "eval" / "powersgd" / "summary.json"
+    summary.write_text(json.dumps({**json.loads(summary.read_text()), "commitment": None, "exploratory": True}))
+    results = write_outputs(root)
+    assert results["exploratory"] and any("eval/powersgd" in r for r in results["exploratory_reasons"])
+    assert "EXPLORATORY" in (root / "report.md").read_text()
+
+
+def test_an_edited_record_with_a_recomputed_hash_is_refused(tmp_path):
+    """Its own hash holds, but it no longer binds the models on disk: the candidate's files, then its root."""
+    root = make_study(tmp_path, candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
+
+    def swap_files(body):
+        a, b = body["candidates"][1], body["candidates"][2]
+        a["files"], b["files"] = b["files"], a["files"]
+    edit_record(root, swap_files)
+    assert "does not commit this model" in refused(root)
+
+    root = make_study(tmp_path / "root", candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
+    edit_record(root, lambda body: body["candidates"][2].update(parameter_root="f" * 64))
+    assert "parameter root root-powersgd is not the one" in refused(root)
+
+
+def test_a_changed_export_is_refused(tmp_path):
+    root = make_study(tmp_path, candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
+    (root / "arms" / "powersgd" / "model" / "model.safetensors").write_text("other weights")
+    assert "does not commit this model" in refused(root)

@@ -163,3 +163,33 @@ def test_an_exploratory_study_says_so_in_every_output(study):
         assert json.loads((out / "eval" / label / "summary.json").read_text())["exploratory"] is True
         assert all(r["exploratory"] for r in read_jsonl(out / "eval" / label / "cases.jsonl"))
         assert all(r["exploratory"] for r in read_jsonl(out / "eval" / label / "retention.jsonl"))
+
+
+def test_a_committed_model_scored_under_another_label_is_refused(study, tmp_path):
+    """The dense arm's export scored as the candidate: the record commits those files as dense."""
+    out = study["out"]
+    proc = subprocess.run([sys.executable, "-m", "nshard.evaluate", "--run", str(out / "arms" / "dense"),
+                           "--model", str(out / "arms" / "dense" / "model"), "--label", "powersgd",
+                           "--out", str(tmp_path / "swapped"), "--commitment", str(out / "commitment.json"),
+                           "--max-new-tokens", "4"], cwd=REPO, env=run_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and "not 'powersgd'" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "swapped").exists()
+
+
+@pytest.mark.parametrize("damage", ["edited", "other models"])
+def test_a_damaged_or_foreign_commitment_stops_the_study_and_stays(study, tmp_path, damage):
+    from nshard.study import commit_candidates
+
+    record = load_commitment(study["out"] / "commitment.json")
+    arms = {c["name"]: Path(c["run_dir"]) for c in record["candidates"]}
+    body = json.loads((study["out"] / "commitment.json").read_text())
+    if damage == "edited":
+        body["candidates"][0]["parameter_root"] = "0" * 64  # its own hash no longer matches
+    else:
+        arms.pop("one-rank")  # this run would commit fewer models than the record names
+    (tmp_path / "commitment.json").write_text(json.dumps(body))
+    before = (tmp_path / "commitment.json").read_bytes()
+    with pytest.raises(CommitError):
+        commit_candidates(tmp_path, Path(record["seed"]["model_dir"]), arms)
+    assert (tmp_path / "commitment.json").read_bytes() == before
