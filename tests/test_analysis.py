@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from analysis.paired import PairingError, mean_interval, paired_bounds
-from analysis.study import analyze, write_outputs
+from nshard.analysis.paired import PairingError, mean_interval, paired_bounds
+from nshard.analysis.report import analyze, write_outputs
 
 REPO = Path(__file__).resolve().parent.parent
 Z99 = 2.5758293035489004
@@ -73,23 +73,26 @@ def test_paired_cli_reads_files_and_refuses_different_case_ids(tmp_path):
     cand, ctrl = vectors(712, 15, 18, 279)
     write_jsonl(tmp_path / "cand.jsonl", [{"case_id": k, "correct": v, "family": "x"} for k, v in cand.items()])
     write_jsonl(tmp_path / "ctrl.jsonl", [{"case_id": k, "correct": v} for k, v in ctrl.items()])
-    proc = subprocess.run([sys.executable, "-m", "analysis.paired", str(tmp_path / "cand.jsonl"),
+    proc = subprocess.run([sys.executable, "-m", "nshard.analysis.paired", str(tmp_path / "cand.jsonl"),
                            str(tmp_path / "ctrl.jsonl"), "--confidence", "0.99"],
                           cwd=REPO, capture_output=True, text=True, check=True)
     out = json.loads(proc.stdout)
     assert set(out) == {"n", "discordant", "difference_points", "lower_points", "upper_points"}
     assert (out["n"], out["discordant"], round(out["lower_points"], 2)) == (1024, 33, -1.74)
     write_jsonl(tmp_path / "other.jsonl", [{"case_id": k + "x", "correct": v} for k, v in ctrl.items()])
-    proc = subprocess.run([sys.executable, "-m", "analysis.paired", str(tmp_path / "cand.jsonl"),
+    proc = subprocess.run([sys.executable, "-m", "nshard.analysis.paired", str(tmp_path / "cand.jsonl"),
                            str(tmp_path / "other.jsonl")], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and "different case IDs" in proc.stderr
     with pytest.raises(PairingError, match="different case IDs"):
         paired_bounds({"a": True}, {"b": True})
 
 
-def test_analysis_never_imports_torch_or_nshard():
-    code = ("import sys, analysis.study, analysis.paired; "
-            "bad = [m for m in ('torch', 'nshard') if m in sys.modules]; assert not bad, bad")
+def test_analysis_never_imports_torch_or_the_trainer():
+    """nshard.analysis is packaged inside nshard, but loads nothing of it beyond the (empty) package itself."""
+    code = ("import sys, nshard.analysis.report, nshard.analysis.paired, nshard.analysis.zero_table, "
+            "nshard.analysis.memory_model; "
+            "bad = [m for m in sys.modules if m == 'torch' or (m.startswith('nshard.') "
+            "and not m.startswith('nshard.analysis'))]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from nshard.engine import PRIVATE_ENGINE_ATTRS, PRIVATE_ZERO_ATTRS
+from nshard.seam.engine import PRIVATE_ENGINE_ATTRS, PRIVATE_ZERO_ATTRS
 from runs import REPO, cached_run, final_params, launch, receipts, tiny_config
 
 RANK = 2
@@ -130,7 +130,7 @@ def test_mpi4py_transport_under_mpirun_matches_the_torch_transport(runs_root, st
 
 
 def test_private_deepspeed_attributes_are_where_nshard_expects_them():
-    """Fails loudly when a DeepSpeed upgrade moves what nshard/engine.py replaces."""
+    """Fails loudly when a DeepSpeed upgrade moves what nshard/seam/engine.py replaces."""
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -156,7 +156,7 @@ def test_private_deepspeed_attributes_are_where_nshard_expects_them():
     from deepspeed.runtime import utils as ds_utils
     from deepspeed.runtime.zero import stage_1_and_2
 
-    from nshard.engine import _all_gather_dp_groups_in_place
+    from nshard.seam.engine import _all_gather_dp_groups_in_place
     assert (list(inspect.signature(ds_utils.all_gather_dp_groups).parameters)
             == list(inspect.signature(_all_gather_dp_groups_in_place).parameters))
     for module, step in ((stage_1_and_2, DeepSpeedZeroOptimizer.step), (bf16_optimizer, bf16_optimizer.BF16_Optimizer)):
@@ -178,8 +178,8 @@ PINNED_ZERO2_POWERSGD_R4_BF16_ROOT = "569d37a77a7398103b53f93bb720b65297d22af078
 def test_zero2_powersgd_with_accumulation_keeps_the_pinned_parameter_root(runs_root, bf16, pinned):
     """Issue 9 item 2 (hooks instead of all-at-once gradients, HandOver instead of sum(p * acc)) changed
     no bit: the same plan gives the parameter root the earlier ingest seam gave."""
-    from nshard.data import accumulation_steps
-    from nshard.plan import load_plan
+    from nshard.run.data import accumulation_steps
+    from nshard.run.plan import load_plan
 
     train = load_plan(REPO / "launch/plans/tiny.toml").train
     assert accumulation_steps(train.global_batch_docs, 2, train.microbatch_docs) > 1  # sums of microbatches

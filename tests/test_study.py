@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from nshard.commit import CommitError, load_commitment
-from nshard.evaluate import read_jsonl
-from nshard.models import load_tokenizer, resolve_model
-from nshard.validate import ValidationError, validate
+from nshard.evidence.commit import CommitError, load_commitment
+from nshard.study.evaluate import read_jsonl
+from nshard.run.models import load_tokenizer, resolve_model
+from nshard.study.validate import ValidationError, validate
 from runs import REPO, run_env, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -139,7 +139,7 @@ def test_an_edited_commitment_is_refused(study, tmp_path):
 
 def test_scoring_an_uncommitted_model_is_refused_unless_exploratory(study, tmp_path):
     other = resolve_model("tiny:1").path  # never trained, never committed
-    cmd = [sys.executable, "-m", "nshard.evaluate", "--run", str(study["out"] / "arms" / "dense"), "--model", other,
+    cmd = [sys.executable, "-m", "nshard.study.evaluate", "--run", str(study["out"] / "arms" / "dense"), "--model", other,
            "--label", "other", "--out", str(tmp_path / "other"), "--max-new-tokens", "4"]
     proc = subprocess.run([*cmd, "--commitment", str(study["out"] / "commitment.json")], cwd=REPO, env=run_env(),
                           capture_output=True, text=True, timeout=300)

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from nshard.files import file_sha256, write_json_atomic
-from nshard.launch_env import free_port
-from nshard.plan import REPO_ROOT, ArmSpec, Plan, PlanError, load_plan
+from nshard.seam.launch_env import free_port
+from nshard.run.plan import REPO_ROOT, ArmSpec, Plan, PlanError, load_plan
 
 
 class StudyError(RuntimeError):
@@ -46,7 +46,7 @@ def resolve_ds_config(path: str) -> Path:
 
 def launch_command(arm: ArmSpec, plan: Plan, plan_path: Path, ds_config: Path, run_dir: Path, port: int) -> list[str]:
     """DeepSpeed's own launcher: one rank, N local ranks, or the plan's hostfile."""
-    from nshard.hostfile import parse_hostfile
+    from nshard.run.hostfile import parse_hostfile
 
     deepspeed = str(Path(sys.executable).with_name("deepspeed"))
     if arm.ranks == 1 or not plan.study.hostfile:
@@ -114,7 +114,7 @@ def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: di
 
 def commit_candidates(out: Path, seed_dir: Path, arms: dict[str, Path]) -> dict:
     """One record for all finished arms; an earlier record that names exactly the same models is kept."""
-    from nshard import commit
+    from nshard.evidence import commit
 
     path = out / "commitment.json"
     fresh = commit.build_commitment(seed_dir, arms)
@@ -135,8 +135,8 @@ def commit_candidates(out: Path, seed_dir: Path, arms: dict[str, Path]) -> dict:
 
 def score_all(plan: Plan, out: Path, seed_dir: Path, arms: dict[str, Path], record: dict | None) -> dict[str, Path]:
     """Score the seed, then every candidate (retention measured against the seed's losses)."""
-    from nshard import commit
-    from nshard.evaluate import score_model
+    from nshard.evidence import commit
+    from nshard.study.evaluate import score_model
 
     exploratory = record is None
     reference_run = next(iter(arms.values()))
@@ -167,22 +167,22 @@ def prepare_shared_caches(plan: Plan) -> None:
     model's replay answers, DeepSpeed's CPU collective build. The first arm would otherwise carry it."""
     import torch
 
-    from nshard.models import load_tokenizer, resolve_model
-    from nshard.replay import replay_documents
+    from nshard.run.models import load_tokenizer, resolve_model
+    from nshard.run.replay import replay_documents
 
     t0 = time.perf_counter()
     ref = resolve_model(plan.model.spec)
     replay_documents(plan, ref, load_tokenizer(ref))
     if not torch.cuda.is_available():
-        from nshard.engine import build_cpu_comm_extension
+        from nshard.seam.engine import build_cpu_comm_extension
 
         build_cpu_comm_extension()
     say(f"shared caches ready (model, replay answers, DeepSpeed's CPU collective) in {time.perf_counter() - t0:.0f} s")
 
 
 def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = False) -> dict:
-    from nshard.models import ModelRef, load_tokenizer, resolve_model
-    from nshard.validate import validate
+    from nshard.run.models import ModelRef, load_tokenizer, resolve_model
+    from nshard.study.validate import validate
 
     plan_path = Path(plan_path).resolve()
     plan = load_plan(plan_path)
@@ -220,9 +220,9 @@ def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = Fals
     study["train_s"], study["total_s"] = train_s, time.perf_counter() - t0
     write_json_atomic(out / "study.json", study)
     # The analysis reads files only; a separate process keeps torch and nshard out of it.
-    proc = subprocess.run([sys.executable, "-m", "analysis.study", str(out)], cwd=REPO_ROOT)
+    proc = subprocess.run([sys.executable, "-m", "nshard.analysis.report", str(out)], cwd=REPO_ROOT)
     if proc.returncode != 0:
-        raise StudyError(f"analysis failed (exit {proc.returncode}); rerun python -m analysis.study {out}")
+        raise StudyError(f"analysis failed (exit {proc.returncode}); rerun python -m nshard.analysis.report {out}")
     say(f"results: {out / 'results.json'}; report: {out / 'report.md'}; plots: {out / 'plots'}")
     return json.loads((out / "results.json").read_text())
 
@@ -234,10 +234,10 @@ def main(argv=None) -> int:
     parser.add_argument("--exploratory", action="store_true",
                         help="score without a commitment; every output is marked exploratory")
     args = parser.parse_args(argv)
-    from nshard.commit import CommitError
-    from nshard.evaluate import EvalError
-    from nshard.hostfile import HostfileError
-    from nshard.validate import ValidationError
+    from nshard.evidence.commit import CommitError
+    from nshard.study.evaluate import EvalError
+    from nshard.run.hostfile import HostfileError
+    from nshard.study.validate import ValidationError
 
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from nshard import tasks
 from nshard.files import write_json_atomic
-from nshard.plan import Plan
+from nshard.run.plan import Plan
 
 ROLES = ("system", "user", "assistant")
 

@@ -12,9 +12,9 @@ import json
 import os
 from pathlib import Path
 
-from nshard.data import DataError, Document, read_replay_file
+from nshard.run.data import DataError, Document, read_replay_file
 from nshard.files import cache_root
-from nshard.plan import Plan
+from nshard.run.plan import Plan
 
 GENERAL_PROMPTS = (
     "What is the capital of France?",
@@ -92,7 +92,7 @@ def _generate(model_ref, tokenizer, prompts, path: Path, batch: int = 8) -> None
     """Greedy answers of the seed model, written atomically as replay JSONL."""
     import torch
 
-    from nshard.models import load_model
+    from nshard.run.models import load_model
 
     model = load_model(model_ref).eval()
     tokenizer.padding_side = "left"  # generation continues from the right edge of every row

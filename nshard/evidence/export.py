@@ -11,7 +11,7 @@ from nshard.files import file_sha256, make_readable
 
 MANIFEST = "manifest.json"
 FORMAT = "nshard-export/1"
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 class ManifestError(RuntimeError):

@@ -18,7 +18,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PLAN = REPO_ROOT / "launch" / "plans" / "demo.toml"
 
 
@@ -177,7 +177,7 @@ class StudySection:
 
 @dataclass(frozen=True)
 class CheckpointSection:
-    """Complete resumable states (nshard/state.py) and replica checks."""
+    """Complete resumable states (nshard/run/state.py) and replica checks."""
 
     every: int = 0
     """Updates between complete states; 0: only at the end. `--resume` continues from the newest."""

@@ -1,8 +1,8 @@
 """Content-addressed storage of a directory: objects named by their SHA-256, in a local directory or on S3.
 
-    python -m nshard.store push SRC URI      # SRC: a directory (or one file); URI: a directory or s3://bucket/prefix
-    python -m nshard.store verify URI        # re-read every object; exit 1 naming any that does not match
-    python -m nshard.store pull URI DEST     # rebuild the tree, hashes checked as it is written
+    python -m nshard.evidence.store push SRC URI      # SRC: a directory (or one file); URI: a directory or s3://bucket/prefix
+    python -m nshard.evidence.store verify URI        # re-read every object; exit 1 naming any that does not match
+    python -m nshard.evidence.store pull URI DEST     # rebuild the tree, hashes checked as it is written
 
 Layout under URI: `objects/sha256/<2 hex>/<sha256>` for each file's bytes, and `index.json` (relative path ->
 sha256, bytes), written last, only once every object has been read back and matched. An object key is never
@@ -151,7 +151,7 @@ def _file_chunks(path: Path):
 
 def open_backend(uri: str) -> Backend:
     if uri.startswith("s3://"):
-        from nshard.store_s3 import S3Backend
+        from nshard.evidence.store_s3 import S3Backend
 
         return S3Backend(uri)
     if "://" in uri:
@@ -290,7 +290,7 @@ def backoff_s(attempt: int, base_s: float = 0.2, cap_s: float = 8.0) -> float:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
-        fail(f"{message} (see python -m nshard.store --help)", 2)
+        fail(f"{message} (see python -m nshard.evidence.store --help)", 2)
 
 
 def fail(message: str, code: int):
@@ -299,7 +299,7 @@ def fail(message: str, code: int):
 
 
 def main(argv=None) -> int:
-    parser = _Parser(prog="nshard.store", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="nshard.evidence.store", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("push", help="store SRC under URI").add_argument("src")
     sub.choices["push"].add_argument("uri")
@@ -328,7 +328,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the imported module's main, not this __main__ copy: nshard.store_s3 raises nshard.store's errors.
-    from nshard.store import main as _main
+    # Run the imported module's main, not this __main__ copy: nshard.evidence.store_s3 raises nshard.evidence.store's errors.
+    from nshard.evidence.store import main as _main
 
     sys.exit(_main())

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from nshard.chunked_adamw import CHUNK_ELEMENTS, chunk_steps
+from nshard.seam.chunked_adamw import CHUNK_ELEMENTS, chunk_steps
 from nshard.comm.config import ReducerConfig
-from nshard.plan import Plan
+from nshard.run.plan import Plan
 
 # Keys nshard derives from the plan (documents per batch); a ds_config may leave them out or "auto".
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -82,7 +82,7 @@ def reducer_config(config: dict) -> ReducerConfig | None:
 
 def complete_ds_config(config: dict, plan: Plan, world_size: int) -> dict:
     """Fill the batch keys (and a WarmupDecayLR's total_num_steps) from the plan; conflicting values are errors."""
-    from nshard.data import accumulation_steps
+    from nshard.run.data import accumulation_steps
 
     config = copy.deepcopy(config)
     t = plan.train
@@ -99,7 +99,7 @@ def complete_ds_config(config: dict, plan: Plan, world_size: int) -> dict:
     if sched.get("total_num_steps", None) == "auto":
         sched["total_num_steps"] = t.updates
     if "nshard" in config and ingest_mode(config.get("zero_optimization", {}).get("stage", 0), _bf16(config)):
-        # DeepSpeed sees one micro-step per update in ingest mode (see nshard/seam.py IngestSeam).
+        # DeepSpeed sees one micro-step per update in ingest mode (see nshard/seam/reduction.py IngestSeam).
         config["gradient_accumulation_steps"] = 1
         config["train_batch_size"] = t.microbatch_docs * world_size
         zero = config.setdefault("zero_optimization", {})
@@ -127,7 +127,7 @@ def build_engine(model: torch.nn.Module, config: dict):
     optimizer = None
     if not torch.cuda.is_available():
         optimizer = torch_adamw(model.parameters(), config)
-        # The same arithmetic in cache-sized pieces (nshard/chunked_adamw.py); NSHARD_ADAMW_CHUNK sets the
+        # The same arithmetic in cache-sized pieces (nshard/seam/chunked_adamw.py); NSHARD_ADAMW_CHUNK sets the
         # piece size in elements, 0 leaves torch's step as it is.
         chunk = int(os.environ.get("NSHARD_ADAMW_CHUNK", CHUNK_ELEMENTS))
         if chunk:
@@ -154,7 +154,7 @@ def partitioned_optimizer(engine) -> bool:
 
 def gather_parameters_in_place() -> None:
     """On gloo, DeepSpeed's partitioned optimizers (ZeRO-1/2, BF16_Optimizer) end each step with an
-    all-gather of the updated weights through nshard/comm/param_gather.py's ring of isend/irecv straight
+    all-gather of the updated weights through nshard/seam/param_gather.py's ring of isend/irecv straight
     into the flat weights, instead of torch's all_gather_into_tensor, which gloo stages whole (one more copy
     of the weights per rank at the end of every step) and runs ~3x slower. The same bytes land in the same
     places, so the model is unchanged bit for bit. Sends are logged (PARAMETER_GATHER_LOG_NAME), so the
@@ -179,7 +179,7 @@ def _all_gather_dp_groups_in_place(groups_flat, partitioned_param_groups, dp_pro
     import deepspeed.comm as ds_comm
     import torch.distributed as dist
 
-    from nshard.comm.param_gather import ring_all_gather_
+    from nshard.seam.param_gather import ring_all_gather_
 
     send = functools.partial(ds_comm.isend, log_name=PARAMETER_GATHER_LOG_NAME)
     for group_id, partitions in enumerate(partitioned_param_groups):
@@ -229,7 +229,7 @@ def _unlink_shm_workspace() -> None:
     """
     import torch.distributed as dist
 
-    from nshard.launch_env import shm_workspace
+    from nshard.seam.launch_env import shm_workspace
 
     dist.barrier()
     env = os.environ
@@ -258,7 +258,7 @@ def optimizer_memory(engine) -> dict[str, int]:
         inner = None
     if inner is None:
         raise DeepSpeedAPIMoved(f"no torch optimizer under {type(engine.optimizer).__name__}.optimizer; "
-                                "port nshard/engine.py:optimizer_memory")
+                                "port nshard/seam/engine.py:optimizer_memory")
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     state = sum(nbytes(v) for s in inner.state.values() for v in s.values() if torch.is_tensor(v))
     module_storage = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
@@ -306,7 +306,7 @@ def full_parameters(engine):
 
 
 DS_CHECKPOINT_TAG = "deepspeed"
-"""DeepSpeed's checkpoint sits in <state dir>/deepspeed/ (nshard/state.py seals the directory around it)."""
+"""DeepSpeed's checkpoint sits in <state dir>/deepspeed/ (nshard/run/state.py seals the directory around it)."""
 
 
 def save_checkpoint(engine, directory: Path) -> None:
@@ -348,7 +348,7 @@ def check_private_api(engine) -> None:
                     if not hasattr(engine.optimizer, a)]
     if missing:
         raise DeepSpeedAPIMoved(f"deepspeed {deepspeed.__version__} lacks {missing}, which nshard's reducer seam "
-                                "replaces (verified on 0.19.8); pin deepspeed>=0.19.8,<0.20 or port nshard/engine.py")
+                                "replaces (verified on 0.19.8); pin deepspeed>=0.19.8,<0.20 or port nshard/seam/engine.py")
 
 
 def _keep_local_bucket(tensor, communication_data_type):
@@ -414,7 +414,7 @@ class ZeroPartitionWriter:
 
 
 def ingest_mode(stage: int, bf16: bool) -> bool:
-    """The one rule for where an nshard reducer sits: the ingest seam (nshard/seam.py) at ZeRO-1/2 or
+    """The one rule for where an nshard reducer sits: the ingest seam (nshard/seam/reduction.py) at ZeRO-1/2 or
     bf16, in place of the stage-0 all-reduce otherwise. Applied to the ds_config before the engine
     exists (complete_ds_config) and to the engine itself (install_reducer)."""
     return stage in (1, 2) or bf16
@@ -426,7 +426,7 @@ def _bf16(config: dict) -> bool:
 
 def install_reducer(engine, config: ReducerConfig | None):
     """The gradient reduction chosen by the parsed "nshard" section (None: DeepSpeed's own)."""
-    from nshard import seam
+    from nshard.seam import reduction as seam
 
     if config is None:
         return seam.DeepSpeedReduction()

@@ -13,17 +13,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nshard import data as data_mod
-from nshard import engine as engine_mod
-from nshard import netcount
-from nshard import state as state_mod
+from nshard.run import data as data_mod
+from nshard.seam import engine as engine_mod
+from nshard.run import netcount
+from nshard.run import state as state_mod
 from nshard.comm.config import ReducerConfig
-from nshard.export import write_manifest
-from nshard.loss import deepspeed_backward_scale, pad_microbatch, weighted_nll_sum
+from nshard.evidence.export import write_manifest
+from nshard.run.loss import deepspeed_backward_scale, pad_microbatch, weighted_nll_sum
 from nshard.files import file_sha256, write_json_atomic
-from nshard.plan import Plan
-from nshard.ranks import RunError, all_ranks, on_main_rank
-from nshard.receipts import MetricsLog, Receipt, parameter_root
+from nshard.run.plan import Plan
+from nshard.run.ranks import RunError, all_ranks, on_main_rank
+from nshard.run.receipts import MetricsLog, Receipt, parameter_root
 
 
 @dataclass
@@ -45,9 +45,9 @@ class Run:
 
 def preflight(plan: Plan, ds_config: dict, world_size: int) -> None:
     """Check what can be checked before any process group exists: model path, replay source, batch keys."""
-    from nshard.engine import complete_ds_config
-    from nshard.models import resolve_model
-    from nshard.replay import check_replay_source
+    from nshard.seam.engine import complete_ds_config
+    from nshard.run.models import resolve_model
+    from nshard.run.replay import check_replay_source
 
     if plan.model.spec != "embedded" and not plan.model.spec.startswith("tiny"):
         resolve_model(plan.model.spec)
@@ -80,7 +80,7 @@ def write_run_json(run: Run, status: str, **fields) -> None:
 
 def prepare_inputs(run: Run, tokenizer, model_ref):
     """Every rank prepares the inputs itself (deterministic, cheap) and all must agree on the identity."""
-    from nshard.replay import replay_documents
+    from nshard.run.replay import replay_documents
 
     # Rank 0 generates and caches the seed model's replay answers once; the others then read them.
     on_main_rank(run, replay_documents, run.plan, model_ref, tokenizer)
@@ -191,8 +191,8 @@ def export_model(run: Run, engine, tokenizer, prepared_identity: str) -> str:
 
 
 def run_training(run: Run, overwrite: bool = False, resume_from: Path | None = None) -> dict:
-    """A fresh run, or (resume_from: a state found by nshard.state.find_resumable) one continued from a state."""
-    from nshard.models import load_model, load_tokenizer, resolve_model
+    """A fresh run, or (resume_from: a state found by nshard.run.state.find_resumable) one continued from a state."""
+    from nshard.run.models import load_model, load_tokenizer, resolve_model
 
     # Rank 0 converts the embedded model once; the others then find it cached.
     on_main_rank(run, resolve_model, run.plan.model.spec)

@@ -1,7 +1,7 @@
 """A study's results: accuracy per family, paired bounds against each control, retention, the declared
 quality and speed screens, the report tables and the plots. Reads the study directory's files only.
 
-    python -m analysis.study STUDY_DIR
+    python -m nshard.analysis.report STUDY_DIR
 
 Reads STUDY_DIR/study.json (the arms, the declared screens, what the runner saw), the arms' run
 directories (run.json, receipts, metrics.jsonl), STUDY_DIR/commitment.json and STUDY_DIR/eval/*/.
@@ -16,7 +16,7 @@ import math
 import sys
 from pathlib import Path
 
-from analysis.paired import mean_interval, paired_bounds
+from nshard.analysis.paired import mean_interval, paired_bounds
 
 FAMILY_TITLES = {"lookup": "Lookup", "filtering": "Filtering", "sorting": "Sorting", "invoice": "Invoice totals"}
 
@@ -392,7 +392,7 @@ def main(argv=None) -> int:
     try:
         results = write_outputs(args.study_dir)
     except (StudyError, OSError, KeyError) as exc:
-        print(f"analysis.study: error: {exc}", file=sys.stderr)
+        print(f"nshard.analysis.report: error: {exc}", file=sys.stderr)
         return 2
     print(learning_table(results))
     print(f"\nquality screen: {'PASSED' if results['screens']['quality']['passed'] else 'FAILED'}; "

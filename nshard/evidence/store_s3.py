@@ -18,7 +18,7 @@ import urllib3
 from botocore import exceptions as boto_errors
 from botocore.config import Config
 
-from nshard.store import CHUNK, BadInput, Sink, StoreError, _hash_into, backoff_s
+from nshard.evidence.store import CHUNK, BadInput, Sink, StoreError, _hash_into, backoff_s
 
 TRANSIENT_CODES = {"RequestTimeout", "SlowDown", "Throttling", "ThrottlingException", "InternalError",
                    "ServiceUnavailable"}

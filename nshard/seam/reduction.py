@@ -1,6 +1,6 @@
 """Where one update's gradients are reduced: DeepSpeed's own all-reduce, or an nshard reducer in its place.
 
-Each seam runs a microbatch's forward and backward and the optimizer step; nshard/engine.py picks
+Each seam runs a microbatch's forward and backward and the optimizer step; nshard/seam/engine.py picks
 the seam and prepares DeepSpeed for it (the private attributes live there, not here).
 """
 

@@ -1,8 +1,8 @@
 """Evidence archive: a run's (or a study's) small files and a source snapshot in one tar, every byte bound by SHA-256.
 
-    python -m nshard.archive create RUN_DIR [RUN_DIR ...] ARCHIVE [--extra FILE ...] [--no-source]
-    python -m nshard.archive verify ARCHIVE [--sha256 HEX]
-    python -m nshard.archive extract ARCHIVE DEST
+    python -m nshard.evidence.archive create RUN_DIR [RUN_DIR ...] ARCHIVE [--extra FILE ...] [--no-source]
+    python -m nshard.evidence.archive verify ARCHIVE [--sha256 HEX]
+    python -m nshard.evidence.archive extract ARCHIVE DEST
 
 Members: runs/<run>/ (plan.toml, ds_config.json, run.json, metrics.jsonl and the other top-level files,
 prepared/, receipts/, model/manifest.json: the manifest binds the weights, which stay out), extra/<file>, and
@@ -31,7 +31,7 @@ from nshard.files import publish_dir
 INDEX = "index.json"
 FORMAT = "nshard-evidence/1"
 RUN_SUBDIRS = ("prepared", "receipts")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 class ArchiveError(RuntimeError):
@@ -265,12 +265,12 @@ def extract(archive: Path, dest: Path, expected_sha256: str | None = None) -> di
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
-        print(f"nshard.archive: error: {message} (see python -m nshard.archive --help)", file=sys.stderr)
+        print(f"nshard.archive: error: {message} (see python -m nshard.evidence.archive --help)", file=sys.stderr)
         sys.exit(2)
 
 
 def main(argv=None) -> int:
-    parser = _Parser(prog="nshard.archive", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="nshard.evidence.archive", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("create", help="archive run directories (and extra files)")
     c.add_argument("paths", nargs="+", metavar="RUN_DIR... ARCHIVE")

@@ -24,12 +24,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nshard import engine as engine_mod
-from nshard import fault
+from nshard.seam import engine as engine_mod
+from nshard.run import fault
 from nshard.comm.agree import shapes_sha256
 from nshard.files import file_sha256, write_json_atomic
-from nshard.ranks import RunError, all_ranks, on_main_rank
-from nshard.receipts import Receipt, parameter_root
+from nshard.run.ranks import RunError, all_ranks, on_main_rank
+from nshard.run.receipts import Receipt, parameter_root
 
 FORMAT = "nshard-state/1"
 MANIFEST = "manifest.json"
