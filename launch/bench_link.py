@@ -213,6 +213,7 @@ def worker(args) -> None:
 
     from launch.bench_powersgd import CountingAllReduce, floor_bytes
     from nshard.seam import engine as engine_mod
+    from nshard.seam import patches
 
     engine_mod.init_distributed()
     dist.all_reduce = CountingAllReduce()  # what every arm hands to torch.distributed, the hook's included
@@ -220,7 +221,7 @@ def worker(args) -> None:
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     watch = Stopwatch()
     updates, ledgers, hook_state = build_arms(model, args.rank, args.tokens, watch)
-    counters = (engine_mod.CollectiveCounter(), dist.all_reduce, watch)
+    counters = (patches.CollectiveCounter(), dist.all_reduce, watch)
     me, samples = dist.get_rank(), []
     for _ in range(hook_state.start_powerSGD_iter):  # unshaped warm-up: allocations, first Q draws, DDP's buckets
         for arm in ARMS:

@@ -38,6 +38,7 @@ def main() -> None:
     from nshard.seam.launch_env import prepare_process_env
 
     prepare_process_env()
+    from nshard.seam import ds_config as ds_config_mod
     from nshard.seam import engine as engine_mod
     from nshard.run.data import prepare
     from nshard.run.models import load_model, load_tokenizer, resolve_model
@@ -54,11 +55,11 @@ def main() -> None:
     _, prepared, _, _, _ = prepare(base, tok, replay_documents(base, ref, tok))
     batch = sorted(range(len(prepared)), key=lambda i: len(prepared[i].input_ids))[-batch_docs:]
     tokens = sum(len(prepared[i].input_ids) for i in batch)
-    ds_config = engine_mod.load_ds_config(args.ds_config)
+    ds_config = ds_config_mod.load_ds_config(args.ds_config)
     size = args.sizes[0]
     plan = dataclasses.replace(base, train=dataclasses.replace(
         base.train, microbatch_docs=size, global_batch_docs=batch_docs, updates=args.updates + 1))
-    engine = engine_mod.build_engine(load_model(ref), engine_mod.complete_ds_config(ds_config, plan, 1))
+    engine = engine_mod.build_engine(load_model(ref), ds_config_mod.complete_ds_config(ds_config, plan, 1))
     run = Run(plan, Path(args.plan), Path(args.ds_config), ds_config, Path("/nonexistent"), 0, 1)
     seconds = []
     for update in range(args.updates + 1):

@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     prepare_process_env()
     from nshard.run.data import DataError
-    from nshard.seam.engine import DsConfigError, load_ds_config, reducer_config
+    from nshard.seam.ds_config import DsConfigError, load_ds_config, reducer_config
     from nshard.run.plan import PlanError, load_plan
     from nshard.run.state import find_resumable
     from nshard.run.training import Run, RunError, preflight, run_training
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
         ds_config = load_ds_config(args.ds_config)
         reducer = reducer_config(ds_config)  # the "nshard" section, parsed once and passed on
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        preflight(plan, ds_config, world_size)
+        ds_config = preflight(plan, ds_config, world_size)  # completed from the plan, once
         out = Path(args.out) if args.out else plan.run_dir()
         resume_from = find_resumable(out, Path(args.plan), Path(args.ds_config), world_size) if args.resume else None
     except (PlanError, DsConfigError, DataError, RunError, OSError, ValueError) as exc:

@@ -144,7 +144,7 @@ def test_a_real_run_archives_with_its_source_and_extracts_whole(real_run, tmp_pa
     assert not (run_out / "model" / "model.safetensors").exists()  # the manifest binds the weights instead
     shown = subprocess.run(["git", "-C", str(REPO), "show", f"{manifest['source']['commit']}:nshard/run/training.py"],
                            capture_output=True, check=True).stdout
-    assert (out / "source" / "nshard" / "trainer.py").read_bytes() == shown
+    assert (out / "source" / "nshard" / "run" / "training.py").read_bytes() == shown
 
 
 def test_cli_bad_input_and_a_damaged_member(tmp_path):

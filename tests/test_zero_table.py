@@ -151,7 +151,8 @@ def _optimizer_memory_by_stage(rank, world_size):
 
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))  # as the launcher would
 
-    from nshard.seam.engine import build_engine, optimizer_memory
+    from nshard.seam.engine import build_engine
+    from nshard.seam.patches import optimizer_memory
 
     out = {}
     for stage in (0, 1, 2):

@@ -1,14 +1,50 @@
-"""Where one update's gradients are reduced: DeepSpeed's own all-reduce, or an nshard reducer in its place.
+"""Where one update's gradients are reduced: the Seam protocol, DeepSpeed's own all-reduce, and the stage-0 seam
+that puts an nshard reducer in its place (the ingest seam for ZeRO-1/2 and bf16 is nshard/seam/ingest.py).
 
 Each seam runs a microbatch's forward and backward and the optimizer step; nshard/seam/engine.py picks
-the seam and prepares DeepSpeed for it (the private attributes live there, not here).
+the seam, and nshard/seam/patches.py prepares DeepSpeed for it (every private attribute lives there).
 """
 
 from __future__ import annotations
 
-import functools
+from typing import Any, Protocol
 
 import torch
+
+from nshard.comm.ledger import ByteLedger
+from nshard.comm.reducer import Reducer
+
+
+class Seam(Protocol):
+    """What the training loop calls on a seam, once per microbatch and once per update."""
+
+    name: str
+    """The reduction, for receipts: "deepspeed", or the nshard reducer's name."""
+    sums: str
+    """Where the last update's microbatch gradients were summed (metrics.jsonl's microbatch_sums)."""
+
+    def forward(self, engine, **inputs) -> Any:
+        """One microbatch's forward (the engine, or its module where DeepSpeed's hooks must not fire)."""
+        ...
+
+    def backward_and_step(self, engine, loss: torch.Tensor, last: bool) -> None:
+        """Backward of one microbatch; after the `last` one of an update, reduce and step the optimizer."""
+        ...
+
+    def last_update_compressed(self) -> bool: ...
+
+    def last_update_bytes(self) -> int:
+        """Bytes the nshard reducer sent in the last update (0 under DeepSpeed's own reduction)."""
+        ...
+
+    @property
+    def ledger(self) -> ByteLedger | None:
+        """The nshard reducer's byte ledger; None under DeepSpeed's own reduction."""
+        ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 class DeepSpeedReduction:
@@ -30,6 +66,10 @@ class DeepSpeedReduction:
     def last_update_bytes(self) -> int:
         return 0
 
+    @property
+    def ledger(self) -> None:
+        return None  # DeepSpeed's comms logger counts its bytes (nshard/seam/patches.py CollectiveCounter)
+
     def state_dict(self) -> dict:
         return {}  # DeepSpeed's own reduction keeps nothing between updates
 
@@ -40,7 +80,7 @@ class DeepSpeedReduction:
 class ReducerSeam:
     """Shared by the nshard seams: the reducer, the trained parameters, the ledger's last record."""
 
-    def __init__(self, engine, reducer, name: str):
+    def __init__(self, engine, reducer: Reducer, name: str):
         self.reducer, self.name = reducer, name
         self.params = {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
         reducer.register({n: tuple(p.shape) for n, p in self.params.items()})
@@ -52,6 +92,10 @@ class ReducerSeam:
 
     def last_update_bytes(self) -> int:
         return sum(self.reducer.ledger.records[-1]["bytes"].values())
+
+    @property
+    def ledger(self) -> ByteLedger:
+        return self.reducer.ledger
 
     def state_dict(self) -> dict:
         """The reducer's state (between updates the seams' own buffers hold zeros: nothing else to keep)."""
@@ -79,125 +123,3 @@ class InPlaceSeam(ReducerSeam):
                     p.grad = torch.zeros_like(p)
             self.reducer.reduce({n: p.grad for n, p in self.params.items()})
         engine.step()
-
-
-class IngestSeam(ReducerSeam):
-    """ZeRO-1/2 and bf16: hand DeepSpeed a gradient that is already reduced.
-
-    ZeRO-2 reduces at every micro-step (compressing partial sums is not the study's algorithm) and
-    bf16 optimizers copy .grad into fp32 buffers of their own during backward, so .grad after
-    backward is not what the optimizer reads. Instead each microbatch's backward runs through
-    torch.autograd.grad (no DeepSpeed hook fires) with a hook on every parameter that adds its
-    gradient to an fp32 sum the moment autograd produces it and hands autograd back a zero-stride
-    zero, so one parameter's gradient exists at a time, not all of them (issue 9 item 2). The
-    reducer averages the sums and hands them to DeepSpeed: under ZeRO-1/2 `partition_writer`
-    (engine.py's ZeroPartitionWriter) copies each parameter's owned slice into ZeRO's gradient
-    partition; bf16 at stage 0 takes a backward through HandOver nodes, whose gradient is exactly the
-    reduced sum, into DeepSpeed's hooks, whose own reduction engine.py has replaced by a no-op.
-    engine.step() updates. DeepSpeed runs with gradient_accumulation_steps=1: it sees one
-    micro-step per update.
-
-    Where the sums live:
-    - An update with one microbatch per rank, under PowerSGD with device error memory: each
-      compressed matrix's gradient is added straight into its error memory (M = error + grad, the
-      same single addition the reducer would make), and its averaged output is computed as it is
-      handed to DeepSpeed, one matrix at a time. Beyond ZeRO's own buffers this path holds only the
-      error memory, P/Q and fp32 sums of the small dense remainder.
-      With nshard.microbatch_sums = "error" updates with several microbatches do the same, adding
-      each into the error memory as it arrives: (e + g1) + g2, which rounds unlike stage 0's e + (g1 + g2).
-    - Otherwise (several microbatches, dense reducer, host error memory): one fp32 sum per parameter,
-      kept apart from the error memory so that M = error + (g1 + g2 + ...) rounds exactly as at stage 0.
-    `sums` names where the last update's sums were.
-    """
-
-    def __init__(self, engine, reducer, name: str, partition_writer=None, sum_every_microbatch_into_error: bool = False):
-        super().__init__(engine, reducer, name)
-        self.partition_writer = partition_writer
-        self.sum_every_microbatch_into_error = sum_every_microbatch_into_error
-        if engine.gradient_accumulation_steps() != 1:
-            raise RuntimeError("nshard's ingest seam needs DeepSpeed gradient_accumulation_steps=1 "
-                               "(complete_ds_config sets it); got "
-                               f"{engine.gradient_accumulation_steps()}")
-        self.device = next(iter(self.params.values())).device
-        self.accumulated: dict[str, torch.Tensor] = {}  # fp32 sums, made when first needed
-        self.into_error: dict[str, torch.Tensor] = {}  # this update's matrices summed into the error memory
-        self.first = True  # the next microbatch starts an update
-        self.sums = "fp32 sums"
-
-    def forward(self, engine, **inputs):
-        # The module is called directly: the engine's forward hooks its outputs so that any
-        # backward through them (torch.autograd.grad included) runs ZeRO's reduction epilogue.
-        return engine.module(**inputs)
-
-    def _sum(self, name: str) -> torch.Tensor:
-        if name in self.into_error:
-            return self.into_error[name]
-        if name not in self.accumulated:
-            self.accumulated[name] = torch.zeros(self.params[name].shape, dtype=torch.float32, device=self.device)
-        return self.accumulated[name]
-
-    def backward_and_step(self, engine, loss, last: bool) -> None:
-        if self.first:  # `last` on the first microbatch: the update has exactly one
-            into_error = last or self.sum_every_microbatch_into_error
-            self.into_error = self.reducer.error_sums(self.device) if into_error else {}
-            self.sums = "error memory" if self.into_error else "fp32 sums"
-        self.first = last
-        handles = [p.register_hook(_adder(self._sum(n))) for n, p in self.params.items()]
-        try:
-            torch.autograd.grad(loss, list(self.params.values()), allow_unused=True)
-        finally:
-            for handle in handles:
-                handle.remove()
-        if not last:
-            return
-        update = None
-        if self.into_error:
-            update = self.reducer.reduce_summed({n: self._sum(n) for n in self.params if n not in self.into_error})
-            sources = {n: functools.partial(update.output, n) if n in self.into_error else self._sum(n)
-                       for n in self.params}
-        else:
-            sources = {n: self._sum(n) for n in self.params}
-            self.reducer.reduce(sources)
-        if self.partition_writer is not None:  # ZeRO-1/2: straight into the owned partition
-            writer = self.partition_writer
-            writer.begin()
-            for n, p in self.params.items():
-                writer.write(p, sources[n]() if callable(sources[n]) else sources[n])
-            writer.finish()
-        else:  # bf16 at stage 0: through DeepSpeed's own gradient hooks
-            surrogate = sum(HandOver.apply(p, sources[n]) for n, p in self.params.items())
-            engine.backward(surrogate, scale_wrt_gas=False)
-        if update is not None:
-            update.finish()
-        engine.step()
-        for acc in self.accumulated.values():
-            acc.zero_()
-
-
-def _adder(acc: torch.Tensor):
-    """A parameter hook: add the gradient to its fp32 sum (as `acc.add_(g)` on autograd.grad's result did)
-    and give autograd a zero-stride zero to return instead, so the gradient itself is freed at once."""
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        acc.add_(grad)
-        return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
-    return hook
-
-
-class HandOver(torch.autograd.Function):
-    """A zero whose gradient with respect to `param` is `reduced` (in the parameter's dtype; a callable is
-    called in backward, so an output computed on demand exists only while DeepSpeed's hook takes it), computed as
-    `grad_output * reduced` exactly as the backward of `(param * reduced).sum()` did, but without
-    keeping a parameter-dtype copy of `reduced` in the graph: the copy is made per parameter in
-    backward and handed to DeepSpeed's gradient hooks (AccumulateGrad takes it without cloning)."""
-
-    @staticmethod
-    def forward(ctx, param: torch.Tensor, reduced) -> torch.Tensor:
-        ctx.reduced = reduced  # the reduced tensor, or a callable that computes it when asked
-        return param.new_zeros(())
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        reduced = ctx.reduced() if callable(ctx.reduced) else ctx.reduced
-        del ctx.reduced
-        param_grad = grad_output * reduced.to(grad_output.dtype)
-        return param_grad, None
