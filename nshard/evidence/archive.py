@@ -26,7 +26,7 @@ import tarfile
 import tempfile
 from pathlib import Path, PurePosixPath
 
-from nshard.files import publish_dir
+from nshard.files import first_difference, staged_dir
 
 INDEX = "index.json"
 FORMAT = "nshard-evidence/1"
@@ -207,15 +207,16 @@ def verify_bytes(data: bytes, expected_sha256: str | None = None) -> tuple[dict,
         raise ArchiveError(f"{INDEX} is not an nshard evidence index ({type(exc).__name__}: {exc})") from None
     if index_bytes(index) != listed[0][1]:
         raise ArchiveError(f"{INDEX} does not match its own index_sha256 (or is not in canonical form)")
-    for name in sorted(set(table) | set(members)):
-        if name not in members:
+    found = {name: {"sha256": sha256(data), "bytes": len(data)} for name, data in members.items()}
+    difference = first_difference(table, found)
+    if difference is not None:
+        kind, name = difference
+        if kind == "missing":
             raise ArchiveError(f"member {name!r} is in {INDEX} but not in the archive")
-        if name not in table:
+        if kind == "extra":
             raise ArchiveError(f"member {name!r} is not in {INDEX}")
-        found = {"sha256": sha256(members[name]), "bytes": len(members[name])}
-        if found != table[name]:
-            raise ArchiveError(f"member {name!r}: sha256 {found['sha256']} ({found['bytes']} bytes), "
-                               f"{INDEX} says {table[name]['sha256']} ({table[name]['bytes']} bytes)")
+        raise ArchiveError(f"member {name!r}: sha256 {found[name]['sha256']} ({found[name]['bytes']} bytes), "
+                           f"{INDEX} says {table[name]['sha256']} ({table[name]['bytes']} bytes)")
     if canonical_tar(listed[0][1], members) != data:
         raise ArchiveError("tar headers or padding differ from the canonical form written by create")
     return index, members
@@ -249,17 +250,11 @@ def extract(archive: Path, dest: Path, expected_sha256: str | None = None) -> di
     if dest.exists() or dest.is_symlink():
         raise BadInput(f"{dest} already exists; extract into a new directory")
     index, members, anchored = verify(archive, expected_sha256)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.extract-"))
-    try:
+    with staged_dir(dest, "extract") as tmp:
         for name, data in [(INDEX, index_bytes(index)), *members.items()]:
             path = tmp / name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
-        publish_dir(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"dest": str(dest), "members": len(members), "anchored": anchored}
 
 

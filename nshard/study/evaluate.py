@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nshard import tasks
-from nshard.files import write_json_atomic
+from nshard.files import write_json_atomic, write_jsonl_atomic
 
 CASE_ID = re.compile(r"^(?P<family>[a-z_]+)-s(?P<seed>\d+)-(?P<index>\d+)$")
 
@@ -135,14 +135,6 @@ def retention_losses(model, retention: list[dict], desc: str = "retention") -> l
 def read_jsonl(path: Path) -> list[dict]:
     with Path(path).open() as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def write_jsonl_atomic(path: Path, rows) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    tmp.replace(path)
 
 
 def score_model(label: str, model_dir: Path, run_dir: Path, out: Path, *, commitment: Path | None,
