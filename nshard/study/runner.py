@@ -24,7 +24,10 @@ from pathlib import Path
 
 from nshard.files import file_sha256, write_json_atomic
 from nshard.seam.launch_env import free_port
-from nshard.run.plan import REPO_ROOT, ArmSpec, Plan, PlanError, load_plan
+from nshard.run.plan import REPO_ROOT, ArmSpec, Plan, PlanError, find_beside, load_plan
+
+TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "train.py"
+"""nshard/train.py of the nshard this runner was imported from (a checkout or an installed copy)."""
 
 
 class StudyError(RuntimeError):
@@ -35,13 +38,14 @@ def say(message: str) -> None:
     print(f"[study] {message}", flush=True)
 
 
-def resolve_ds_config(path: str) -> Path:
-    """A relative ds_config path is read from the working directory, else from the repository root."""
-    for candidate in (Path(path), REPO_ROOT / path):
+def resolve_ds_config(path: str, plan_path: Path) -> Path:
+    """A relative ds_config path is read from the working directory, else beside the plan (its folder or the
+    nearest one above it that holds the path), else from the repository root."""
+    for candidate in (Path(find_beside(path, plan_path)), REPO_ROOT / path):
         if candidate.is_file():
             return candidate.resolve()
-    raise StudyError(f"study.arms ds_config {path} does not exist (looked in {Path.cwd()} and {REPO_ROOT}); "
-                     "fix the arm's ds_config path")
+    raise StudyError(f"study.arms ds_config {path} does not exist (looked in {Path.cwd()}, beside {plan_path} "
+                     f"and in {REPO_ROOT}); fix the arm's ds_config path")
 
 
 def launch_command(arm: ArmSpec, plan: Plan, plan_path: Path, ds_config: Path, run_dir: Path, port: int) -> list[str]:
@@ -59,7 +63,7 @@ def launch_command(arm: ArmSpec, plan: Plan, plan_path: Path, ds_config: Path, r
         where = ["--hostfile", plan.study.hostfile]
         if list(hosts) == ["localhost"]:  # DeepSpeed's plain form would ssh to localhost
             where += ["--no_ssh_check", "--master_addr", "127.0.0.1"]
-    return [deepspeed, *where, "--master_port", str(port), str(REPO_ROOT / "nshard" / "train.py"),
+    return [deepspeed, *where, "--master_port", str(port), str(TRAIN_SCRIPT),
             "--ds_config", str(ds_config), "--plan", str(plan_path), "--out", str(run_dir), "--overwrite"]
 
 
@@ -76,7 +80,7 @@ def arm_is_done(run_dir: Path, plan_sha: str, ds_sha: str, ranks: int) -> bool:
 
 def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: dict | None) -> dict:
     """Train one arm unless it already finished with these inputs; a failure is recorded, never retried here."""
-    ds_config = resolve_ds_config(arm.ds_config)
+    ds_config = resolve_ds_config(arm.ds_config, plan_path)
     run_dir = out / "arms" / arm.name
     plan_sha, ds_sha = file_sha256(plan_path), file_sha256(ds_config)
     attempts = list((previous or {}).get("attempts", []))
@@ -100,7 +104,7 @@ def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: di
     with log.open("w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
-        rc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
     wall = time.perf_counter() - t0
     attempts.append({"rc": rc, "log": str(log), "wall_s": wall,
                      "at": datetime.datetime.now(datetime.timezone.utc).isoformat()})
@@ -189,7 +193,7 @@ def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = Fals
     out = Path(out or Path("runs") / f"study-{plan.name}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     for arm in plan.study.arms:  # every ds_config is checked before the first arm starts
-        resolve_ds_config(arm.ds_config)
+        resolve_ds_config(arm.ds_config, plan_path)
     previous = {}
     if (out / "study.json").is_file():
         previous = {a["name"]: a for a in json.loads((out / "study.json").read_text()).get("arms", [])}
@@ -220,7 +224,7 @@ def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = Fals
     study["train_s"], study["total_s"] = train_s, time.perf_counter() - t0
     write_json_atomic(out / "study.json", study)
     # The analysis reads files only; a separate process keeps torch and nshard out of it.
-    proc = subprocess.run([sys.executable, "-m", "nshard.analysis.report", str(out)], cwd=REPO_ROOT)
+    proc = subprocess.run([sys.executable, "-m", "nshard.analysis.report", str(out)])
     if proc.returncode != 0:
         raise StudyError(f"analysis failed (exit {proc.returncode}); rerun python -m nshard.analysis.report {out}")
     say(f"results: {out / 'results.json'}; report: {out / 'report.md'}; plots: {out / 'plots'}")
