@@ -12,8 +12,8 @@ L the largest tensor, w bytes per module weight):
 - grads: DeepSpeed's own gradient buffers. Stage 0: .grad (4P). ZeRO-1/2 under DeepSpeed's own reduction:
   the ipg bucket the grads are copied into (contiguous_gradients; w*min(P, reduce_bucket_size): CPU pages
   are only counted once touched) plus the owned flat partition (4P/N). ZeRO-1/2 under an nshard reducer:
-  only the owned partition (4P/N), written by engine.py's ZeroPartitionWriter; no bucket.
-- accumulators: the ingest seam's fp32 microbatch sums (nshard/seam/reduction.py IngestSeam): 4P when an update has
+  only the owned partition (4P/N), written by nshard/seam/ingest.py's ZeroPartitionWriter; no bucket.
+- accumulators: the ingest seam's fp32 microbatch sums (nshard/seam/ingest.py IngestSeam): 4P when an update has
   several microbatches (microbatch_sums "exact"), 4D when the compressed matrices are summed straight into
   their error memory (one microbatch per update, or microbatch_sums "error").
 - error: PowerSGD's fp32 error memory, one (n, m) matrix per compressed parameter (4C).

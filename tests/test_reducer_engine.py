@@ -203,7 +203,7 @@ def test_one_microbatch_updates_sum_into_the_error_memory_and_keep_the_pinned_ro
     """Issue 9 item 2: with one microbatch per update the matrices' gradients go straight into the error
     memory, each output is computed as it is written into ZeRO's partition, and AdamW steps the flat
     partition in pieces (1024 elements here, so the tiny model's partition is cut), and the closing
-    all-gather of the weights goes by isend/irecv straight into place (engine.gather_parameters_in_place);
+    all-gather of the weights goes by isend/irecv straight into place (patches.gather_parameters_in_place);
     not a bit changes."""
     plan = runs_root / "tiny-one-microbatch.toml"
     plan.write_text((REPO / "launch/plans/tiny.toml").read_text().replace("microbatch_docs = 2", "microbatch_docs = 3"))
