@@ -383,6 +383,14 @@ def main(argv=None) -> int:
                         help="print how much larger a model N pooled ranks hold than one rank at stage 0")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (OSError, KeyError, TypeError, ValueError) as exc:  # a bad directory or file: one line, exit 2
+        print(f"memory_model: error: {type(exc).__name__}: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
     if args.measured:
         rows = measured_rows(Path(args.measured))
         if not rows:

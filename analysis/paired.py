@@ -39,6 +39,15 @@ def mean_interval(values: list[float], confidence: float) -> tuple[float, float,
     return mean, mean - half, mean + half
 
 
+def cases_for_one_loss(margin_points: float, confidence: float) -> int:
+    """The fewest cases at which a candidate that loses exactly one case (and wins none) still has a paired
+    lower bound above `margin_points` (< 0). With d = -1 once and 0 n-1 times, mean = -1/n and s = 1/sqrt(n),
+    so the lower bound is -(1 + z)/n, in points -100(1 + z)/n."""
+    if not margin_points < 0:
+        raise ValueError(f"margin {margin_points} points: a noninferiority margin is negative")
+    return math.floor(100 * (1 + two_sided_z(confidence)) / -margin_points) + 1
+
+
 def paired_bounds(candidate: dict[str, bool], control: dict[str, bool], confidence: float = 0.99) -> dict:
     """Candidate minus control over the same cases, in accuracy points (100 × the mean difference)."""
     if set(candidate) != set(control):
@@ -47,7 +56,10 @@ def paired_bounds(candidate: dict[str, bool], control: dict[str, bool], confiden
     ids = sorted(candidate)
     diffs = [float(bool(candidate[i])) - float(bool(control[i])) for i in ids]
     mean, lower, upper = mean_interval(diffs, confidence)
-    return {"n": len(ids), "discordant": sum(1 for d in diffs if d != 0), "confidence": confidence,
+    discordant = sum(1 for d in diffs if d != 0)
+    # No discordant pair: every difference is 0, so is the sample deviation, and the interval has zero
+    # width; it says the arms agreed on these cases, not how far apart they could be.
+    return {"n": len(ids), "discordant": discordant, "zero_width": discordant == 0, "confidence": confidence,
             "candidate_correct": sum(bool(candidate[i]) for i in ids),
             "control_correct": sum(bool(control[i]) for i in ids),
             "difference_points": 100 * mean, "lower_points": 100 * lower, "upper_points": 100 * upper}

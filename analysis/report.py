@@ -14,9 +14,10 @@ import argparse
 import json
 import math
 import sys
+from fractions import Fraction
 from pathlib import Path
 
-from nshard.analysis.paired import mean_interval, paired_bounds
+from nshard.analysis.paired import PairingError, cases_for_one_loss, mean_interval, paired_bounds
 
 FAMILY_TITLES = {"lookup": "Lookup", "filtering": "Filtering", "sorting": "Sorting", "invoice": "Invoice totals"}
 
@@ -28,14 +29,24 @@ class StudyError(ValueError):
 def read_json(path: Path) -> dict:
     if not path.is_file():
         raise StudyError(f"{path} is missing")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise StudyError(f"{path}: not valid JSON ({exc})") from None
 
 
 def read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         raise StudyError(f"{path} is missing")
+    rows = []
     with path.open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for lineno, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise StudyError(f"{path}:{lineno}: not valid JSON ({exc})") from None
+    return rows
 
 
 # ---------------------------------------------------------------- learning
@@ -99,9 +110,21 @@ def execution_block(run_dir: Path, ranks: int, usd_per_gb: float) -> dict:
 
 
 def condition(name: str, value, threshold, op: str) -> dict:
-    ok = value is not None and not (isinstance(value, float) and math.isnan(value)) and {
-        ">=": lambda: value >= threshold, ">": lambda: value > threshold, "<": lambda: value < threshold}[op]()
+    """One screen condition. A Fraction value (counts) is compared exactly with the threshold as declared
+    (its decimal text, so 10 points means 10, not the binary double nearest 100 * 0.1)."""
+    if isinstance(value, Fraction):
+        threshold_exact = Fraction(repr(float(threshold)))
+        ok = {">=": value >= threshold_exact, ">": value > threshold_exact, "<": value < threshold_exact}[op]
+        value = float(value)
+    else:
+        ok = value is not None and not (isinstance(value, float) and math.isnan(value)) and {
+            ">=": lambda: value >= threshold, ">": lambda: value > threshold, "<": lambda: value < threshold}[op]()
     return {"name": name, "value": value, "threshold": threshold, "rule": f"{op} {threshold}", "passed": bool(ok)}
+
+
+def gain_points(candidate: dict, seed: dict) -> Fraction:
+    """Accuracy gain in points from the integer counts: 100*(k1/n1 - k0/n0), exactly."""
+    return Fraction(100 * candidate["correct"], candidate["cases"]) - Fraction(100 * seed["correct"], seed["cases"])
 
 
 def quality_screen(candidate: dict, seed: dict, comparisons: list[dict], failed_controls: list[str],
@@ -109,9 +132,9 @@ def quality_screen(candidate: dict, seed: dict, comparisons: list[dict], failed_
     if candidate["status"] != "complete":
         return {"passed": False, "conditions": [{"name": "candidate trained", "passed": False,
                                                  "value": candidate["status"], "rule": "complete"}]}
-    gain = 100 * (candidate["accuracy"] - seed["accuracy"])
     retention = candidate.get("retention") or {}
-    conds = [condition("accuracy gain over seed, points", gain, screens["min_accuracy_gain_points"], ">="),
+    conds = [condition("accuracy gain over seed, points", gain_points(candidate, seed),
+                       screens["min_accuracy_gain_points"], ">="),
              condition(f"retention-change {screens['confidence']:.0%} upper bound, nats",
                        retention.get("upper_nats"), screens["max_retention_upper_nats"], "<")]
     for c in comparisons:
@@ -120,6 +143,9 @@ def quality_screen(candidate: dict, seed: dict, comparisons: list[dict], failed_
     for name in failed_controls:
         conds.append({"name": f"paired lower bound vs {name}", "value": None, "passed": False,
                       "rule": "control arm must finish"})
+    if not comparisons and not failed_controls:  # noninferiority against nothing is not a pass
+        conds.append({"name": "paired lower bound vs a control", "value": None, "passed": False,
+                      "rule": "the study must declare at least one control arm"})
     return {"passed": all(c["passed"] for c in conds), "conditions": conds}
 
 
@@ -182,9 +208,12 @@ def analyze(study_dir: Path) -> dict:
             continue
         cand = {r["case_id"]: r["correct"] for r in case_rows[candidate["name"]]}
         ctrl = {r["case_id"]: r["correct"] for r in case_rows[arm["name"]]}
+        bounds = paired_bounds(cand, ctrl, conf)
+        if bounds["zero_width"]:
+            bounds["one_loss_passes_from_n"] = cases_for_one_loss(screens["min_paired_lower_points"], conf)
         comparisons.append({"candidate": candidate["name"], "control": arm["name"],
                             "candidate_parameter_root": candidate["parameter_root"],
-                            "control_parameter_root": arm["parameter_root"], **paired_bounds(cand, ctrl, conf)})
+                            "control_parameter_root": arm["parameter_root"], **bounds})
     identities = {a["prepared_identity"] for a in arms if a["status"] == "complete"}
     commitment_sha = commitment["record_sha256"] if commitment else None
     identity = identities.pop() if len(identities) == 1 else sorted(identities)
@@ -293,6 +322,12 @@ def render_report(results: dict) -> str:
             lines.append(f"| {c['candidate']} − {c['control']} | {c['n']} | {c['discordant']} | "
                          f"{c['difference_points']:+.2f} | [{c['lower_points']:+.2f}, {c['upper_points']:+.2f}] |")
         lines.append("")
+        for c in results["comparisons"]:
+            if c.get("zero_width"):
+                lines.append(f"- {c['candidate']} − {c['control']}: no discordant pair, so the interval has zero "
+                             f"width; a single lost case would still clear the margin only with "
+                             f"n ≥ {c['one_loss_passes_from_n']} cases (n = {c['n']}).")
+        lines.append("")
     lines += ["## Execution", "", execution_table(results), "",
               f"Speed screen: **{'PASSED' if s['passed'] else 'FAILED'}**", "", *screen_lines(s), ""]
     for name, sp in s["speedups"].items():
@@ -391,8 +426,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         results = write_outputs(args.study_dir)
-    except (StudyError, OSError, KeyError) as exc:
-        print(f"nshard.analysis.report: error: {exc}", file=sys.stderr)
+    except (StudyError, PairingError, OSError, KeyError, TypeError, ValueError) as exc:
+        # One line naming the problem (json.JSONDecodeError and PairingError are ValueErrors).
+        print(f"nshard.analysis.report: error: {type(exc).__name__}: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     print(learning_table(results))
     print(f"\nquality screen: {'PASSED' if results['screens']['quality']['passed'] else 'FAILED'}; "

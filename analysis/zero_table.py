@@ -246,8 +246,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         write_table(args.directory)
-    except TableError as exc:
-        print(f"zero_table: error: {exc}", file=sys.stderr)
+    except (TableError, OSError, KeyError, TypeError, ValueError) as exc:
+        print(f"zero_table: error: {type(exc).__name__}: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     print((Path(args.directory) / "zero_table.md").read_text(), end="")
     return 0

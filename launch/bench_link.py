@@ -142,12 +142,13 @@ def build_arms(model, rank: int, tokens: int, watch: Stopwatch):
     from torch.nn.parallel import DistributedDataParallel
 
     from nshard.seam import engine as engine_mod
+    from nshard.comm.config import parse_config
     from nshard.seam.reduction import DeepSpeedReduction
 
     engine = engine_mod.build_engine(model, ds_config(dist.get_world_size()))
-    seams = {"dense": engine_mod.install_reducer(engine, {"reducer": "dense"}),
-             "nshard": engine_mod.install_reducer(engine, {"reducer": "powersgd", "rank": rank,
-                                                           "dense_warmup_updates": 0}),
+    seams = {"dense": engine_mod.install_reducer(engine, parse_config({"reducer": "dense"})),
+             "nshard": engine_mod.install_reducer(engine, parse_config({"reducer": "powersgd", "rank": rank,
+                                                                        "dense_warmup_updates": 0})),
              # install_reducer switched DeepSpeed's own all-reduce off: this seam computes and steps only
              "one": DeepSpeedReduction(), "local": DeepSpeedReduction()}
     for arm in ("dense", "nshard"):

@@ -128,19 +128,34 @@ leftovers() {  # true when anything `up` makes is still there
   [ -e "$state" ]
 }
 
+alive() {  # alive PID...: true while any of them runs (a zombie has finished: its parent reaps it)
+  local pid
+  for pid in "$@"; do
+    [ -r "/proc/$pid/stat" ] && [ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" != Z ] && return 0
+  done
+  return 1
+}
+
 down() {
-  local i pids
+  local i pid pids=()
+  # Everything `up` started: each sshd by its pid file, and whatever runs in the namespaces (sshd's
+  # sessions, ranks). Stop them all and wait for exactly those PIDs, or the namespace and its veth
+  # outlive `ip netns del`, and an sshd can still be serving after `down` returned.
   for i in "${hosts[@]}"; do
-    if [ -e "/run/netns/$(ns "$i")" ]; then
-      # Everything in the namespace was started through it (sshd, its sessions, ranks): stop it, or
-      # the namespace and its veth outlive `ip netns del`.
-      pids=$(ip netns pids "$(ns "$i")" || true)
-      [ -z "$pids" ] || kill $pids 2>/dev/null || true
-      for _ in $(seq 50); do [ -n "$(ip netns pids "$(ns "$i")" 2>/dev/null)" ] || break; sleep 0.1; done
-      pids=$(ip netns pids "$(ns "$i")" || true)
-      [ -z "$pids" ] || kill -9 $pids 2>/dev/null || true
-      ip netns del "$(ns "$i")"
-    fi
+    # (a pid file left by a crash may name a reused PID: take it only while it is still our sshd)
+    pid=$(cat "$state/sshd-$i.pid" 2>/dev/null || true)
+    [ -n "$pid" ] && tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -qF "$state/sshd-$i.pid" && pids+=("$pid")
+    [ -e "/run/netns/$(ns "$i")" ] && pids+=($(ip netns pids "$(ns "$i")" 2>/dev/null || true))
+  done
+  if [ ${#pids[@]} -gt 0 ]; then
+    kill "${pids[@]}" 2>/dev/null || true
+    for _ in $(seq 50); do alive "${pids[@]}" || break; sleep 0.1; done
+    kill -9 "${pids[@]}" 2>/dev/null || true
+    for _ in $(seq 50); do alive "${pids[@]}" || break; sleep 0.1; done
+    alive "${pids[@]}" && die "processes ${pids[*]} would not stop"
+  fi
+  for i in "${hosts[@]}"; do
+    [ -e "/run/netns/$(ns "$i")" ] && ip netns del "$(ns "$i")"
     ip link del "$(veth "$i")" 2>/dev/null || true
   done
   ip link del "$bridge" 2>/dev/null || true

@@ -196,3 +196,61 @@ def test_a_failed_control_is_reported_and_fails_the_quality_screen(tmp_path):
     assert "**failed**" in report and "| Correct / 100 | 20 | 60 | failed | 60 |" in report
     for plot in ("accuracy_per_family.png", "loss_per_update.png", "bytes_per_update.png"):
         assert (root / "plots" / plot).stat().st_size > 1000
+
+
+def gain_study(root: Path, seed_correct: int, candidate_correct: int, n: int = 800) -> Path:
+    root = make_study(root, candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
+    write_eval(root, "seed", [i < seed_correct for i in range(n)], None)
+    for arm in ("one-rank", "dense", "powersgd"):
+        write_eval(root, arm, [i < candidate_correct for i in range(n)], [0.001 * ((i % 5) - 2) for i in range(16)])
+    return root
+
+
+def test_an_exact_ten_point_gain_passes_and_one_case_less_fails(tmp_path):
+    """113 vs 33 of 800 is +10 points exactly; in floats 100 * (113/800 - 33/800) is 9.999999999999998."""
+    assert 100 * (113 / 800 - 33 / 800) < 10
+    exact = analyze(gain_study(tmp_path / "exact", 33, 113))
+    assert exact["screens"]["quality"]["passed"], exact["screens"]["quality"]["conditions"]
+    short = analyze(gain_study(tmp_path / "short", 33, 112))
+    assert failed_conditions(short, "quality") == ["accuracy gain over seed, points"]
+
+
+def test_a_study_without_controls_fails_the_paired_condition(tmp_path):
+    root = make_study(tmp_path, candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
+    study = json.loads((root / "study.json").read_text())
+    study.update(arms=[a for a in study["arms"] if a["name"] == "powersgd"], speed_baseline="powersgd")
+    (root / "study.json").write_text(json.dumps(study))
+    results = analyze(root)
+    assert "paired lower bound vs a control" in failed_conditions(results, "quality")
+    assert not results["screens"]["quality"]["passed"]
+
+
+def test_a_zero_width_interval_is_reported_with_the_cases_one_loss_needs(tmp_path):
+    from nshard.analysis.paired import cases_for_one_loss
+
+    # One lost case out of n: lower bound -100 (1 + z) / n points; at 99% and a -3 margin n >= 120.
+    assert cases_for_one_loss(-3.0, 0.99) == 120
+    lost_one = paired_bounds(*vectors(0, 0, 1, 118), 0.99)  # n = 119
+    assert lost_one["lower_points"] <= -3.0
+    lost_one = paired_bounds(*vectors(0, 0, 1, 119), 0.99)  # n = 120
+    assert lost_one["lower_points"] > -3.0 and lost_one["lower_points"] == pytest.approx(-100 * (1 + Z99) / 120)
+    root = make_study(tmp_path, candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
+    results = write_outputs(root)
+    vs_one = results["comparisons"][0]
+    assert vs_one["zero_width"] and vs_one["one_loss_passes_from_n"] == 120
+    assert "no discordant pair, so the interval has zero width" in (root / "report.md").read_text()
+
+
+@pytest.mark.parametrize("damage", ["unpaired", "bad json", "missing"])
+def test_bad_study_input_exits_2_with_one_line(tmp_path, damage):
+    root = make_study(tmp_path, candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
+    cases = root / "eval" / "dense" / "cases.jsonl"
+    if damage == "unpaired":
+        write_jsonl(cases, [{"case_id": f"other{i:03d}", "family": "lookup", "correct": True} for i in range(100)])
+    elif damage == "bad json":
+        cases.write_text("{not json\n")
+    else:
+        cases.unlink()
+    proc = subprocess.run([sys.executable, "-m", "nshard.analysis.report", str(root)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("nshard.analysis.report: error:")

@@ -77,6 +77,8 @@ def hosts(user_ssh_config):
     finally:
         down = hosts_sh("down")
         assert down.returncode == 0, down.stderr
+        # down returns only once every process it started is gone (the links may take a moment longer)
+        assert not [x for x in what_is_left() if x.startswith("process")]
         assert_nothing_left()
 
 

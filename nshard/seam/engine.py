@@ -46,9 +46,18 @@ def build_engine(model: torch.nn.Module, config: dict):
     patches.guard(engine)  # every private symbol below and in install_reducer, checked before any is touched
     if zero_stage(engine) == 0 and not (engine.bfloat16_enabled() or engine.fp16_enabled()):
         patches.keep_gradients_in_place(engine)
-    if patches.partitioned_optimizer(engine):
+    if patches.partitioned_optimizer(engine) and reference_switch("NSHARD_PARAMETER_GATHER", ("ring", "deepspeed")) == "ring":
         patches.gather_parameters_in_place()
     return engine
+
+
+def reference_switch(variable: str, choices: tuple[str, ...]) -> str:
+    """The environment's choice between nshard's fast path (choices[0], the default) and the reference path it
+    replaced bit for bit (kept so that tests compare the two in one run, on whatever CPU they run on)."""
+    value = os.environ.get(variable, choices[0])
+    if value not in choices:
+        raise ValueError(f"{variable}={value!r}: set it to one of {', '.join(choices)} (or unset it for {choices[0]!r})")
+    return value
 
 
 def build_cpu_comm_extension() -> None:
@@ -135,7 +144,11 @@ def install_reducer(engine, config: ReducerConfig | None):
     patches.silence_deepspeed_reduction(engine)
     ingest = ingest_mode(zero_stage(engine), engine.bfloat16_enabled())
     if ingest:
-        writer = ZeroPartitionWriter(engine.optimizer) if zero_stage(engine) in (1, 2) else None
+        # NSHARD_ZERO_INGEST=hooks hands ZeRO-1/2 the reduced gradient through DeepSpeed's own backward and
+        # gradient hooks (HandOver), the path the partition writer replaced bit for bit.
+        writer = None
+        if zero_stage(engine) in (1, 2) and reference_switch("NSHARD_ZERO_INGEST", ("writer", "hooks")) == "writer":
+            writer = ZeroPartitionWriter(engine.optimizer)
         return IngestSeam(engine, reducer, config.reducer, partition_writer=writer,
                           sum_every_microbatch_into_error=
                           config.reducer == "powersgd" and config.microbatch_sums == "error")

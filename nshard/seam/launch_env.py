@@ -39,7 +39,15 @@ def prepare_process_env() -> None:
         # The deepspeed launcher leaves OMP_NUM_THREADS unset; two ranks x all cores of OpenMP
         # threads spin against each other and run 50-200x slower. Split the cores instead.
         local_world = int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or env.get("OMPI_COMM_WORLD_LOCAL_SIZE") or 1)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local_world, 1)))
+        torch.set_num_threads(max(1, usable_cores() // max(local_world, 1)))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity (a cpuset cgroup or taskset narrows it while
+    os.cpu_count() still counts the whole machine), where the platform reports one."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def _has_cuda() -> bool:
