@@ -1,19 +1,19 @@
 """Per-rank memory of nshard's configurations (ZeRO stage x reducer x precision x error-memory place x ranks),
 predicted part by part from the parameter shapes, and set against measured peaks. Reads files only (no torch).
 
-    python -m analysis.memory_model --measured runs/memory-probe          # predicted vs measured
-    python -m analysis.memory_model --model-dir DIR --world 2             # predictions for a model
-    python -m analysis.memory_model --layers 24 --ratios                  # pooled vs one rank at stage 0
+    python -m nshard.analysis.memory_model --measured runs/memory-probe          # predicted vs measured
+    python -m nshard.analysis.memory_model --model-dir DIR --world 2             # predictions for a model
+    python -m nshard.analysis.memory_model --layers 24 --ratios                  # pooled vs one rank at stage 0
 
 What each part is, per rank (DeepSpeed 0.19.8, CPU, torch AdamW stepped in pieces of 2^18 elements by
-nshard/chunked_adamw.py; P parameters, C of them in PowerSGD-compressed matrices, D = P - C, N ranks,
+nshard/seam/chunked_adamw.py; P parameters, C of them in PowerSGD-compressed matrices, D = P - C, N ranks,
 L the largest tensor, w bytes per module weight):
 - params: the module's weights (fp32 4P; bf16 2P).
 - grads: DeepSpeed's own gradient buffers. Stage 0: .grad (4P). ZeRO-1/2 under DeepSpeed's own reduction:
   the ipg bucket the grads are copied into (contiguous_gradients; w*min(P, reduce_bucket_size): CPU pages
   are only counted once touched) plus the owned flat partition (4P/N). ZeRO-1/2 under an nshard reducer:
-  only the owned partition (4P/N), written by engine.py's ZeroPartitionWriter; no bucket.
-- accumulators: the ingest seam's fp32 microbatch sums (nshard/seam.py IngestSeam): 4P when an update has
+  only the owned partition (4P/N), written by nshard/seam/ingest.py's ZeroPartitionWriter; no bucket.
+- accumulators: the ingest seam's fp32 microbatch sums (nshard/seam/ingest.py IngestSeam): 4P when an update has
   several microbatches (microbatch_sums "exact"), 4D when the compressed matrices are summed straight into
   their error memory (one microbatch per update, or microbatch_sums "error").
 - error: PowerSGD's fp32 error memory, one (n, m) matrix per compressed parameter (4C).
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REDUCE_BUCKET_ELEMENTS = 500_000_000  # deepspeed zero config reduce_bucket_size default (elements)
-ADAMW_CHUNK_ELEMENTS = 1 << 18  # nshard/chunked_adamw.py CHUNK_ELEMENTS
+ADAMW_CHUNK_ELEMENTS = 1 << 18  # nshard/seam/chunked_adamw.py CHUNK_ELEMENTS
 STAGE0_BUCKET_ELEMENTS = 500_000_000  # MEMORY_OPT_ALLREDUCE_SIZE: stage 0's flat all-reduce bucket
 DEFAULT_BASELINE_BYTES = 480 * 2**20  # a rank with no model (python, torch, deepspeed, gloo, shm): measured
 PARTS = ("params", "grads", "accumulators", "error", "pq", "optimizer", "master", "comm", "transient")

@@ -1,7 +1,7 @@
 """Paired accuracy bounds: the difference of two models scored on the same cases, with a normal-approximation
 interval on the per-case differences (sample standard deviation, quantile from scipy).
 
-    python -m analysis.paired CANDIDATE.jsonl CONTROL.jsonl [--confidence 0.99]
+    python -m nshard.analysis.paired CANDIDATE.jsonl CONTROL.jsonl [--confidence 0.99]
 
 Each file is JSONL with at least `case_id` and `correct`; the files must hold the same case IDs.
 Prints one JSON object: n, discordant, difference_points, lower_points, upper_points.
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     try:
         result = paired_bounds(read_correct(args.candidate), read_correct(args.control), args.confidence)
     except (PairingError, ValueError, OSError) as exc:
-        print(f"analysis.paired: error: {exc}", file=sys.stderr)
+        print(f"nshard.analysis.paired: error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps({k: result[k] for k in ("n", "discordant", "difference_points", "lower_points",
                                              "upper_points")}))

@@ -1,7 +1,7 @@
 """The ZeRO stage comparison table: one row per arm (ZeRO stage x reducer) from the run directories
 under one directory, written as zero_table.md and zero_table.json. Reads files only (no torch).
 
-    python analysis/zero_table.py runs/zero-stages
+    python -m nshard.analysis.zero_table runs/zero-stages
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Update seconds and bytes per update between two emulated hosts, by link rate, arms side by side.
 
-    .venv/bin/python launch/bench_link.py [--rates 100mbit,1gbit] [--models embedded,1.7b] [--updates 3]
+    .venv/bin/python -m launch.bench_link [--rates 100mbit,1gbit] [--models embedded,1.7b] [--updates 3]
 
 Arms, on the real DeepSpeed engine (stage 0, fp32, torch AdamW), 1 x --tokens tokens per rank:
   one     one rank computes and steps, no communication (the other waits): the compute bound
@@ -38,8 +38,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "launch"))
 HOSTS_SH = REPO / "launch" / "hosts.sh"
 HOSTS_TSV = REPO / "runs" / "hosts" / "hosts.tsv"
 ARM_NOTES = {
@@ -83,9 +81,9 @@ def build_model(name: str, layers: int):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from bench_powersgd import MODELS
+    from launch.bench_powersgd import MODELS
 
-    from nshard.models import load_model, resolve_model
+    from nshard.run.models import load_model, resolve_model
 
     if name not in MODELS:
         return load_model(resolve_model(name))
@@ -143,9 +141,9 @@ def build_arms(model, rank: int, tokens: int, watch: Stopwatch):
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
     from torch.nn.parallel import DistributedDataParallel
 
-    from nshard import engine as engine_mod
+    from nshard.seam import engine as engine_mod
     from nshard.comm.config import parse_config
-    from nshard.seam import DeepSpeedReduction
+    from nshard.seam.reduction import DeepSpeedReduction
 
     engine = engine_mod.build_engine(model, ds_config(dist.get_world_size()))
     seams = {"dense": engine_mod.install_reducer(engine, parse_config({"reducer": "dense"})),
@@ -188,7 +186,7 @@ def measure(update, ledger, counters) -> dict:
     three ways (plus what dist.all_reduce was handed)."""
     import torch.distributed as dist
 
-    from nshard.netcount import tx_bytes
+    from nshard.run.netcount import tx_bytes
 
     logged, counted, watch = counters
     logged.take()
@@ -206,7 +204,7 @@ def measure(update, ledger, counters) -> dict:
 
 
 def worker(args) -> None:
-    from nshard.launch_env import prepare_process_env
+    from nshard.seam.launch_env import prepare_process_env
 
     # Each worker holds ~8 copies of the gradient size (parameters, gradients, AdamW, both error
     # buffers, DDP's buckets): on a shared machine the OOM killer is to take the benchmark, not others' work.
@@ -214,8 +212,9 @@ def worker(args) -> None:
     prepare_process_env()
     import torch.distributed as dist
 
-    from bench_powersgd import CountingAllReduce, floor_bytes
-    from nshard import engine as engine_mod
+    from launch.bench_powersgd import CountingAllReduce, floor_bytes
+    from nshard.seam import engine as engine_mod
+    from nshard.seam import patches
 
     engine_mod.init_distributed()
     dist.all_reduce = CountingAllReduce()  # what every arm hands to torch.distributed, the hook's included
@@ -223,7 +222,7 @@ def worker(args) -> None:
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     watch = Stopwatch()
     updates, ledgers, hook_state = build_arms(model, args.rank, args.tokens, watch)
-    counters = (engine_mod.CollectiveCounter(), dist.all_reduce, watch)
+    counters = (patches.CollectiveCounter(), dist.all_reduce, watch)
     me, samples = dist.get_rank(), []
     for _ in range(hook_state.start_powerSGD_iter):  # unshaped warm-up: allocations, first Q draws, DDP's buckets
         for arm in ARMS:
@@ -268,8 +267,8 @@ def run_model(name: str, args, out: Path) -> dict:
     for rank, (ns, _) in enumerate(pairs):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(len(pairs)), LOCAL_WORLD_SIZE="1",
                    MASTER_ADDR=pairs[0][1], MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0",
-                   OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-        cmd = ["ip", "netns", "exec", ns, sys.executable, __file__, "--worker", name, "--out", str(out),
+                   OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "launch.bench_link", "--worker", name, "--out", str(out),
                *[f"--{k}={getattr(args, k)}" for k in ("rates", "layers", "rank", "updates", "tokens")]]
         log = (out / f"{name}.rank{rank}.log").open("w")
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))

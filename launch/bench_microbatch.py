@@ -1,6 +1,6 @@
 """One-rank training throughput by microbatch size, on the real DeepSpeed engine and the plan's documents.
 
-    .venv/bin/python launch/bench_microbatch.py [--plan launch/plans/demo.toml] [--sizes 1 2 4 8] [--updates 3]
+    .venv/bin/python -m launch.bench_microbatch [--plan launch/plans/demo.toml] [--sizes 1 2 4 8] [--updates 3]
 
 Prints tokens/s (every non-padding token of the batch) per microbatch size and the ratio to
 microbatch 1. The global batch is fixed (--batch_docs, default the plan's 8 longest documents), so
@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main() -> None:
@@ -36,16 +35,17 @@ def main() -> None:
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": os.environ.get("MASTER_PORT", "29533")}.items():
         os.environ.setdefault(key, value)
-    from nshard.launch_env import prepare_process_env
+    from nshard.seam.launch_env import prepare_process_env
 
     prepare_process_env()
-    from nshard import engine as engine_mod
-    from nshard.data import prepare
-    from nshard.models import load_model, load_tokenizer, resolve_model
-    from nshard.plan import load_plan
-    from nshard.replay import replay_documents
-    from nshard.seam import DeepSpeedReduction
-    from nshard.trainer import Run, train_update
+    from nshard.seam import ds_config as ds_config_mod
+    from nshard.seam import engine as engine_mod
+    from nshard.run.data import prepare
+    from nshard.run.models import load_model, load_tokenizer, resolve_model
+    from nshard.run.plan import load_plan
+    from nshard.run.replay import replay_documents
+    from nshard.seam.reduction import DeepSpeedReduction
+    from nshard.run.training import Run, train_update
 
     engine_mod.init_distributed()
     base = load_plan(args.plan)
@@ -55,11 +55,11 @@ def main() -> None:
     _, prepared, _, _, _ = prepare(base, tok, replay_documents(base, ref, tok))
     batch = sorted(range(len(prepared)), key=lambda i: len(prepared[i].input_ids))[-batch_docs:]
     tokens = sum(len(prepared[i].input_ids) for i in batch)
-    ds_config = engine_mod.load_ds_config(args.ds_config)
+    ds_config = ds_config_mod.load_ds_config(args.ds_config)
     size = args.sizes[0]
     plan = dataclasses.replace(base, train=dataclasses.replace(
         base.train, microbatch_docs=size, global_batch_docs=batch_docs, updates=args.updates + 1))
-    engine = engine_mod.build_engine(load_model(ref), engine_mod.complete_ds_config(ds_config, plan, 1))
+    engine = engine_mod.build_engine(load_model(ref), ds_config_mod.complete_ds_config(ds_config, plan, 1))
     run = Run(plan, Path(args.plan), Path(args.ds_config), ds_config, Path("/nonexistent"), 0, 1)
     seconds = []
     for update in range(args.updates + 1):
@@ -74,7 +74,7 @@ def compare(args) -> None:
     """Each size in a fresh process: one engine per process, so memory and allocator state do not carry over."""
     rows = []
     for size in args.sizes:
-        cmd = [sys.executable, __file__, "--plan", args.plan, "--ds_config", args.ds_config,
+        cmd = [sys.executable, "-m", "launch.bench_microbatch", "--plan", args.plan, "--ds_config", args.ds_config,
                "--updates", str(args.updates), "--sizes", str(size), "--one"]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         row = json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[7:])

@@ -1,7 +1,7 @@
 """Payload and time per update: nshard's PowerSGD vs PyTorch's powerSGD_hook vs dense, on SmolLM2 shapes.
 
 Two gloo ranks on this machine (OMP_NUM_THREADS=1), same rank, same gradient tensors for every arm.
-Usage: .venv/bin/python launch/bench_powersgd.py [--rank 32] [--updates 3] [--layers K] [--models 135m,1.7b]
+Usage: .venv/bin/python -m launch.bench_powersgd [--rank 32] [--updates 3] [--layers K] [--models 135m,1.7b]
 """
 
 from __future__ import annotations
@@ -9,12 +9,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 
 os.environ["OMP_NUM_THREADS"] = "1"  # before torch: two ranks x two OpenMP threads on two cores spin 50-200x slower
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

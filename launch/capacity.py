@@ -2,7 +2,7 @@
 (layers added one at a time, starting from the memory model's guess) that completes a short plan
 with every rank inside its own memory cgroup (launch/memcap.py).
 
-    .venv/bin/python launch/capacity.py [--cap_gib 6] [--configs s0-dense-1r,s1-dense,...] [--out runs/capacity]
+    .venv/bin/python -m launch.capacity [--cap_gib 6] [--configs s0-dense-1r,s1-dense,...] [--out runs/capacity]
 
 An attempt ends "complete", "out of memory" (the kernel OOM-killed a rank: its group's oom_kill count
 moved; DeepSpeed's launcher then kills the other rank), "timeout" or "failed". Writes capacity.json,
@@ -20,9 +20,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from analysis.memory_model import DEFAULT_BASELINE_BYTES, Config, capacity, smollm2_1_7b  # noqa: E402
+from nshard.analysis.memory_model import DEFAULT_BASELINE_BYTES, Config, capacity, smollm2_1_7b  # noqa: E402
 from launch.memory_probe import arm_ds_config, build_1_7b_shaped, parse_arm, run_capped, write_plan  # noqa: E402
 
 DEFAULT_CONFIGS = ("s0-dense-1r", "s2-dense", "s2-powersgd", "s1-dense", "s1-powersgd")

@@ -1,9 +1,9 @@
 """SIGKILL one rank of a two-rank PowerSGD run (tiny model, fp32, CPU) at random points, continue it with
 --resume, and count how many trials end bit-identical to an uninterrupted run of the same plan.
 
-    .venv/bin/python launch/kill_resume.py --trials 10 [--stages 0 1 2] [--updates 8] [--every 2] [--seed 0]
+    .venv/bin/python -m launch.kill_resume --trials 10 [--stages 0 1 2] [--updates 8] [--every 2] [--seed 0]
 
-Kill points come from the trainer's test-only fault hook (NSHARD_FAULT=RANK:UPDATE[:PHASE], nshard/fault.py):
+Kill points come from the trainer's test-only fault hook (NSHARD_FAULT=RANK:UPDATE[:PHASE], nshard/run/fault.py):
 a random rank, after a random update or in the middle of a state save. Prints one line per trial and
 `matched M/N`; exits 0 only when every trial matched.
 """
@@ -20,9 +20,8 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from nshard.launch_env import free_port  # noqa: E402
+from nshard.seam.launch_env import free_port  # noqa: E402
 POWERSGD = {"reducer": "powersgd", "rank": 4, "dense_warmup_updates": 1}
 
 

@@ -117,7 +117,7 @@ def warm_extensions() -> dict:
 
     env = dict(os.environ)
     env.setdefault("TORCH_EXTENSIONS_DIR", str(TRAIN.parent.parent / ".cache" / "torch_extensions"))
-    code = "from nshard.engine import build_cpu_comm_extension; build_cpu_comm_extension()"
+    code = "from nshard.seam.engine import build_cpu_comm_extension; build_cpu_comm_extension()"
     subprocess.run([sys.executable, "-c", code], check=True, env=env, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL, timeout=600)
     return {"TORCH_EXTENSIONS_DIR": env["TORCH_EXTENSIONS_DIR"]}

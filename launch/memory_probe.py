@@ -1,7 +1,7 @@
 """Measure each rank's peak memory per configuration, each rank under its own memory cgroup cap, then print
 the memory model's prediction against it (analysis/memory_model.py).
 
-    .venv/bin/python launch/memory_probe.py [--model embedded|1.7b:LAYERS|tiny] [--arms s0-dense,s2-powersgd,...]
+    .venv/bin/python -m launch.memory_probe [--model embedded|1.7b:LAYERS|tiny] [--arms s0-dense,s2-powersgd,...]
         [--cap_gib 6] [--out runs/memory-probe] [--overwrite]
 
 Arms are named s<stage>-<reducer>[-bf16][-host] (host: PowerSGD's error memory in host memory, which
@@ -21,11 +21,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from launch import zero_stages  # noqa: E402
 from launch.memcap import RankCaps, WRAPPER, warm_extensions  # noqa: E402
-from nshard.launch_env import free_port, shm_workspace  # noqa: E402
+from nshard.seam.launch_env import free_port, shm_workspace  # noqa: E402
 
 ALL_ARMS = ("base", "s0-dense", "s0-powersgd", "s1-dense", "s1-powersgd", "s2-dense", "s2-powersgd")
 SMOLLM2_1_7B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=32,
@@ -87,7 +86,7 @@ def build_1_7b_shaped(layers: int, models_dir: Path) -> Path:
     code = f"""
 import sys, torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-from nshard.models import resolve_model
+from nshard.run.models import resolve_model
 torch.manual_seed(0)
 config = LlamaConfig(num_hidden_layers={layers}, **{SMOLLM2_1_7B!r})
 tokenizer = AutoTokenizer.from_pretrained(resolve_model("embedded").path, local_files_only=True)
@@ -138,7 +137,7 @@ def run_capped(arm: dict, config: dict, plan: Path, run_dir: Path, cap_bytes: in
 
 
 def remove_shm_workspaces(port: int) -> None:
-    """A rank killed before its workspace name is unlinked (nshard/engine.py does it once every rank has
+    """A rank killed before its workspace name is unlinked (nshard/seam/engine.py does it once every rank has
     mapped it) leaves DeepSpeed's workspace behind: remove this launch's own (its port identifies them;
     no other run uses that port)."""
     pattern = shm_workspace("127.0.0.1", port, "*")
@@ -175,7 +174,7 @@ def main(argv=None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "probe.json").write_text(json.dumps(result, indent=1) + "\n")
         print(f"{label}/{name}: {result['outcome']} in {result['wall_s']:.0f} s", flush=True)
-    print(f"then: python -m analysis.memory_model --measured {out}")
+    print(f"then: python -m nshard.analysis.memory_model --measured {out}")
     return 0
 
 

@@ -12,7 +12,7 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do
   if [ "$1" = "--hostfile" ]; then hostfile=$2; shift 2; else launcher_args+=("$1"); shift; fi
 done
 [ "${1:-}" = "--" ] && shift
-hosts=$("$py" -m nshard.hostfile "$hostfile")
+hosts=$("$py" -m nshard.run.hostfile "$hostfile")
 if [ "${hosts%%:*}" = "localhost" ] && [ "$(echo "$hosts" | wc -w)" = 1 ]; then
   launcher_args+=(--no_ssh_check --master_addr 127.0.0.1)
 fi

@@ -1,7 +1,7 @@
 """ZeRO stage comparison: stages 0, 1, 2 x {DeepSpeed's dense all-reduce, nshard PowerSGD} on one plan,
 2 ranks through the deepspeed launcher, one run directory per arm, then analysis/zero_table.py.
 
-    .venv/bin/python launch/zero_stages.py [--plan launch/plans/tiny.toml] [--out runs/zero-stages]
+    .venv/bin/python -m launch.zero_stages [--plan launch/plans/tiny.toml] [--out runs/zero-stages]
         [--rank R] [--warmup W] [--lr LR] [--overwrite]
 
 Short plans need --warmup below the plan's updates (and, for the tiny model, a small --rank) to
@@ -22,11 +22,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from analysis.zero_table import TableError, write_table  # noqa: E402
-from nshard.launch_env import free_port  # noqa: E402
-from nshard.plan import PlanError, load_plan  # noqa: E402  (no torch)
+from nshard.analysis.zero_table import TableError, write_table  # noqa: E402
+from nshard.seam.launch_env import free_port  # noqa: E402
+from nshard.run.plan import PlanError, load_plan  # noqa: E402  (no torch)
 
 STAGE_CONFIGS = {0: "dense.json", 1: "zero1.json", 2: "zero2.json"}
 REDUCERS = ("dense", "powersgd")

@@ -14,11 +14,11 @@ from pathlib import Path
 if __package__ in (None, ""):  # launched as a script path: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nshard.launch_env import prepare_process_env  # noqa: E402
+from nshard.seam.launch_env import prepare_process_env  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from nshard.plan import DEFAULT_PLAN
+    from nshard.run.plan import DEFAULT_PLAN
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ds_config", required=True, help="DeepSpeed JSON (optimizer, schedule, precision, ZeRO, nshard)")
@@ -34,11 +34,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     prepare_process_env()
-    from nshard.data import DataError
-    from nshard.engine import DsConfigError, load_ds_config, reducer_config
-    from nshard.plan import PlanError, load_plan
-    from nshard.state import find_resumable
-    from nshard.trainer import Run, RunError, preflight, run_training
+    from nshard.run.data import DataError
+    from nshard.seam.ds_config import DsConfigError, load_ds_config, reducer_config
+    from nshard.run.plan import PlanError, load_plan
+    from nshard.run.state import find_resumable
+    from nshard.run.training import Run, RunError, preflight, run_training
 
     try:  # bad input fails here, before any process group, run directory or model exists
         if args.resume and args.overwrite:
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
         ds_config = load_ds_config(args.ds_config)
         reducer = reducer_config(ds_config)  # the "nshard" section, parsed once and passed on
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        preflight(plan, ds_config, world_size)
+        ds_config = preflight(plan, ds_config, world_size)  # completed from the plan, once
         out = Path(args.out) if args.out else plan.run_dir()
         resume_from = find_resumable(out, Path(args.plan), Path(args.ds_config), world_size) if args.resume else None
     except (PlanError, DsConfigError, DataError, RunError, OSError, ValueError) as exc:
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from nshard.comm import RanksDisagree
-    from nshard.engine import init_distributed
+    from nshard.seam.engine import init_distributed
 
     init_distributed()
     run = Run(plan, Path(args.plan), Path(args.ds_config), ds_config, out, dist.get_rank(), dist.get_world_size(),

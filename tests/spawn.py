@@ -9,7 +9,7 @@ import queue
 import time
 import traceback
 
-from nshard.launch_env import free_port  # noqa: F401  (tests import it from here)
+from nshard.seam.launch_env import free_port  # noqa: F401  (tests import it from here)
 
 
 def _child(fn, rank, world_size, port, args, results):

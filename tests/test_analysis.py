@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from analysis.paired import PairingError, mean_interval, paired_bounds
-from analysis.study import analyze, write_outputs
+from nshard.analysis.paired import PairingError, mean_interval, paired_bounds
+from nshard.analysis.report import analyze, write_outputs
 
 REPO = Path(__file__).resolve().parent.parent
 Z99 = 2.5758293035489004
@@ -74,14 +74,14 @@ def test_paired_cli_reads_files_and_refuses_different_case_ids(tmp_path):
     cand, ctrl = vectors(712, 15, 18, 279)
     write_jsonl(tmp_path / "cand.jsonl", [{"case_id": k, "correct": v, "family": "x"} for k, v in cand.items()])
     write_jsonl(tmp_path / "ctrl.jsonl", [{"case_id": k, "correct": v} for k, v in ctrl.items()])
-    proc = subprocess.run([sys.executable, "-m", "analysis.paired", str(tmp_path / "cand.jsonl"),
+    proc = subprocess.run([sys.executable, "-m", "nshard.analysis.paired", str(tmp_path / "cand.jsonl"),
                            str(tmp_path / "ctrl.jsonl"), "--confidence", "0.99"],
                           cwd=REPO, capture_output=True, text=True, check=True)
     out = json.loads(proc.stdout)
     assert set(out) == {"n", "discordant", "difference_points", "lower_points", "upper_points"}
     assert (out["n"], out["discordant"], round(out["lower_points"], 2)) == (1024, 33, -1.74)
     write_jsonl(tmp_path / "other.jsonl", [{"case_id": k + "x", "correct": v} for k, v in ctrl.items()])
-    proc = subprocess.run([sys.executable, "-m", "analysis.paired", str(tmp_path / "cand.jsonl"),
+    proc = subprocess.run([sys.executable, "-m", "nshard.analysis.paired", str(tmp_path / "cand.jsonl"),
                            str(tmp_path / "other.jsonl")], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and "different case IDs" in proc.stderr
     with pytest.raises(PairingError, match="different case IDs"):
@@ -89,11 +89,13 @@ def test_paired_cli_reads_files_and_refuses_different_case_ids(tmp_path):
 
 
 def test_analysis_never_imports_torch_or_the_trainer():
-    """Analysis reads files: no torch, no DeepSpeed, and of nshard only the record checks (standard library)."""
-    code = ("import sys, analysis.study, analysis.paired; "
+    """nshard.analysis reads files: no torch, and of nshard beyond itself only the record checks (standard library)."""
+    code = ("import sys, nshard.analysis.report, nshard.analysis.paired, nshard.analysis.zero_table, "
+            "nshard.analysis.memory_model; "
+            "allowed = ('nshard.analysis', 'nshard.evidence', 'nshard.evidence.commit', 'nshard.evidence.export', "
+            "'nshard.files'); "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed', 'transformers') "
-            "or (m.startswith('nshard') and m not in ('nshard', 'nshard.commit', 'nshard.export', 'nshard.files'))]; "
-            "assert not bad, bad")
+            "or (m.startswith('nshard.') and not m.startswith(allowed))]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
 
 
@@ -126,8 +128,8 @@ def make_arm(root: Path, name: str, ranks: int, process_s: float, correct: list[
 
 
 def commit_study(root: Path, arms: list[dict]) -> None:
-    """The record nshard.commit would write for these arms and the seed, and every summary scored under it."""
-    from nshard.commit import model_files, record_sha256
+    """The record nshard.evidence.commit would write for these arms and the seed, and every summary scored under it."""
+    from nshard.evidence.commit import model_files, record_sha256
 
     seed_dir = root / "seed-model"
     seed_dir.mkdir(exist_ok=True)
@@ -249,7 +251,7 @@ def test_a_study_without_controls_fails_the_paired_condition(tmp_path):
 
 
 def test_a_zero_width_interval_is_reported_with_the_cases_one_loss_needs(tmp_path):
-    from analysis.paired import cases_for_one_loss
+    from nshard.analysis.paired import cases_for_one_loss
 
     # One lost case out of n: lower bound -100 (1 + z) / n points; at 99% and a -3 margin n >= 120.
     assert cases_for_one_loss(-3.0, 0.99) == 120
@@ -274,16 +276,16 @@ def test_bad_study_input_exits_2_with_one_line(tmp_path, damage):
         cases.write_text("{not json\n")
     else:
         cases.unlink()
-    proc = subprocess.run([sys.executable, "-m", "analysis.study", str(root)], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "nshard.analysis.report", str(root)], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("analysis.study: error:")
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("nshard.analysis.report: error:")
 
 
 # ---------------------------------------------------------------- attacks on commit-before-score
 
 def edit_record(root: Path, edit) -> None:
     """Edit the commitment and recompute its own hash, as a forger would (every summary follows it)."""
-    from nshard.commit import record_sha256
+    from nshard.evidence.commit import record_sha256
 
     body = json.loads((root / "commitment.json").read_text())
     edit(body)
@@ -295,7 +297,7 @@ def edit_record(root: Path, edit) -> None:
 
 
 def refused(root: Path) -> str:
-    proc = subprocess.run([sys.executable, "-m", "analysis.study", str(root)], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "nshard.analysis.report", str(root)], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     return proc.stderr

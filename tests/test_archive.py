@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nshard.archive import ArchiveError, BadInput, create, extract, sidecar, verify, verify_bytes
+from nshard.evidence.archive import ArchiveError, BadInput, create, extract, sidecar, verify, verify_bytes
 from runs import cached_run, tiny_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,7 +30,7 @@ def fake_run(root: Path) -> Path:
 
 
 def archive_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "nshard.archive", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "nshard.evidence.archive", *map(str, args)], capture_output=True, text=True,
                           timeout=120, cwd=REPO)
 
 
@@ -142,9 +142,9 @@ def test_a_real_run_archives_with_its_source_and_extracts_whole(real_run, tmp_pa
                 "prepared/documents.jsonl", "receipts/rank-0.json", "receipts/rank-1.json", "model/manifest.json"]:
         assert (run_out / rel).read_bytes() == (real_run / rel).read_bytes(), rel
     assert not (run_out / "model" / "model.safetensors").exists()  # the manifest binds the weights instead
-    shown = subprocess.run(["git", "-C", str(REPO), "show", f"{manifest['source']['commit']}:nshard/trainer.py"],
+    shown = subprocess.run(["git", "-C", str(REPO), "show", f"{manifest['source']['commit']}:nshard/run/training.py"],
                            capture_output=True, check=True).stdout
-    assert (out / "source" / "nshard" / "trainer.py").read_bytes() == shown
+    assert (out / "source" / "nshard" / "run" / "training.py").read_bytes() == shown
 
 
 def test_cli_bad_input_and_a_damaged_member(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nshard.models import resolve_model
+from nshard.run.models import resolve_model
 
 from runs import cached_run, final_params, receipts, tiny_config
 

@@ -11,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from analysis.memory_model import Config, compression, phases, predict, smollm2_1_7b  # noqa: E402
+from nshard.analysis.memory_model import Config, compression, phases, predict, smollm2_1_7b  # noqa: E402
 
 
 def test_compression_matches_the_reducers_layout():

@@ -1,11 +1,11 @@
-"""nshard/chunked_adamw.py: torch's AdamW stepped in pieces gives the same bits as torch's own step."""
+"""nshard/seam/chunked_adamw.py: torch's AdamW stepped in pieces gives the same bits as torch's own step."""
 
 import copy
 
 import pytest
 import torch
 
-from nshard.chunked_adamw import chunk_steps
+from nshard.seam.chunked_adamw import chunk_steps
 
 SHAPES = [(12345,), (64, 300), (7,), (1024,), (3, 5, 4100)]  # pieces of 1024 split all but the small ones
 
@@ -48,7 +48,7 @@ def test_pieces_really_run_and_only_adamw_is_wrapped():
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     assert chunk_steps(optimizer, chunk=1024) and not chunk_steps(optimizer, chunk=1024)  # wrapped once
     calls = []
-    import nshard.chunked_adamw as module
+    import nshard.seam.chunked_adamw as module
 
     real = module.adam
     module.adam = lambda params, *a, **k: (calls.append(len(params)), real(params, *a, **k))

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nshard.export import ManifestError, verify_manifest
-from nshard.receipts import parameter_root
+from nshard.evidence.export import ManifestError, verify_manifest
+from nshard.run.receipts import parameter_root
 from runs import cached_run, tiny_config
 
 

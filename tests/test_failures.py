@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nshard.data import batch_schedule
-from nshard.hostfile import parse_hostfile
-from nshard.receipts import parameter_root
+from nshard.run.data import batch_schedule
+from nshard.run.hostfile import parse_hostfile
+from nshard.run.receipts import parameter_root
 from runs import REPO, launch, tiny_config
 from test_inputs import TINY, train_cli
 

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from nshard.data import prepare
-from nshard.models import load_tokenizer, resolve_model
-from nshard.plan import PlanError, load_plan, plan_from_dict
-from nshard.replay import replay_documents
+from nshard.run.data import prepare
+from nshard.run.models import load_tokenizer, resolve_model
+from nshard.run.plan import PlanError, load_plan, plan_from_dict
+from nshard.run.replay import replay_documents
 from runs import REPO, run_env
 
 TINY = (REPO / "launch/plans/tiny.toml").read_text()

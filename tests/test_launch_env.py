@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-CHILD = ("import json, torch; from nshard.launch_env import prepare_process_env, usable_cores; "
+CHILD = ("import json, torch; from nshard.seam.launch_env import prepare_process_env, usable_cores; "
          "prepare_process_env(); print(json.dumps([usable_cores(), torch.get_num_threads()]))")
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nshard import models
-from nshard.models import MARKER, ModelRef, dir_sha256, load_model, load_tokenizer, resolve_model
+from nshard.run import models
+from nshard.run.models import MARKER, ModelRef, dir_sha256, load_model, load_tokenizer, resolve_model
 
 CHAT = [{"role": "user", "content": "Numbers: 42, 7, 19.\nSort them."},
         {"role": "assistant", "content": "7, 19, 42"}]
@@ -77,7 +77,7 @@ def test_tiny_same_seed_same_sha_on_a_fresh_build(tiny, tmp_path):
 
 def test_tiny_sha_does_not_depend_on_the_process(tiny, tmp_path):
     # Tokenizer training runs in Rust with per-process hash seeds and threads; check a fresh one.
-    code = ("import sys; from nshard.models import resolve_model; "
+    code = ("import sys; from nshard.run.models import resolve_model; "
             "print(resolve_model('tiny', sys.argv[1]).sha256)")
     env = {**os.environ, "PYTHONHASHSEED": "7", "RAYON_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,

@@ -1,8 +1,8 @@
-"""nshard/netcount.py: the kernel's count against the collectives' bytes, and when that is a disagreement."""
+"""nshard/run/netcount.py: the kernel's count against the collectives' bytes, and when that is a disagreement."""
 
 import pytest
 
-from nshard import netcount
+from nshard.run import netcount
 
 
 class Logged:

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from nshard.data import Prepared, deal
-from nshard.loss import deepspeed_backward_scale, pad_microbatch, weighted_nll_sum
+from nshard.run.data import Prepared, deal
+from nshard.run.loss import deepspeed_backward_scale, pad_microbatch, weighted_nll_sum
 
 PAD = 0
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nshard.data import Prepared
-from nshard.models import load_model, resolve_model
-from nshard.plan import load_plan
+from nshard.run.data import Prepared
+from nshard.run.models import load_model, resolve_model
+from nshard.run.plan import load_plan
 from runs import ds_config, final_params, launch
 from test_objective import reference_grads
 

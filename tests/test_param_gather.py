@@ -1,4 +1,4 @@
-"""nshard/comm/param_gather.py: the in-place ring all-gather equals torch's all_gather, on real gloo ranks."""
+"""nshard/seam/param_gather.py: the in-place ring all-gather equals torch's all_gather, on real gloo ranks."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from spawn import run_ranks
 def _gather(rank, world, part, dtype):
     import torch.distributed as dist
 
-    from nshard.comm.param_gather import ring_all_gather_
+    from nshard.seam.param_gather import ring_all_gather_
 
     flat = torch.full((part * world,), float("nan"), dtype=dtype)
     views = [flat.narrow(0, i * part, part) for i in range(world)]
@@ -34,7 +34,7 @@ def test_ring_all_gather_fills_every_partition_in_place_like_all_gather(world, d
 def _refuse(rank, world):
     import torch.distributed as dist
 
-    from nshard.comm.param_gather import ring_all_gather_
+    from nshard.seam.param_gather import ring_all_gather_
 
     try:
         ring_all_gather_([torch.zeros(2)], group=dist.group.WORLD)

@@ -2,7 +2,7 @@
 bit-identical to an uninterrupted run, at stage 0, ZeRO-1 and ZeRO-2 with PowerSGD; states that do not
 fit this command line, or whose files do not match their manifest, are refused with one clear line.
 
-The kill points come from the trainer's test-only fault hook, NSHARD_FAULT=RANK:UPDATE[:PHASE] (nshard/fault.py).
+The kill points come from the trainer's test-only fault hook, NSHARD_FAULT=RANK:UPDATE[:PHASE] (nshard/run/fault.py).
 """
 
 import json
@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from nshard.state import MANIFEST, StateError, find_resumable, sealed_states
+from nshard.run.state import MANIFEST, StateError, find_resumable, sealed_states
 from runs import REPO, final_params, launch, receipts, run_env, tiny_config
 
 UPDATES, EVERY = 8, 2

@@ -1,4 +1,4 @@
-"""nshard.store against a local directory and a real S3-API server (moto) on loopback, with a fault-injecting proxy."""
+"""nshard.evidence.store against a local directory and a real S3-API server (moto) on loopback, with a fault-injecting proxy."""
 
 import hashlib
 import json
@@ -12,7 +12,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from nshard.store import object_key, pull, push
+from nshard.evidence.store import object_key, pull, push
 from s3server import FaultProxy, MotoServer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,7 +45,7 @@ def aws_env(endpoint: str, tmp_path: Path) -> dict:
 
 
 def store(env: dict, *args) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "nshard.store", *map(str, args)], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "nshard.evidence.store", *map(str, args)], env=env, capture_output=True,
                           text=True, timeout=120)
     for stream in (proc.stdout, proc.stderr):
         assert SECRET_KEY not in stream and ACCESS_KEY not in stream, "credentials in the output"
@@ -214,7 +214,7 @@ def test_an_upload_changed_in_transit_is_caught_by_the_read_back(moto, tmp_path)
 
 
 def test_a_read_timeout_is_retried(moto, tmp_path, monkeypatch):
-    from nshard.store_s3 import S3Backend
+    from nshard.evidence.store_s3 import S3Backend
 
     target = Target("s3", tmp_path, moto)
     src = make_tree(tmp_path / "src")
@@ -232,7 +232,7 @@ def test_a_read_timeout_is_retried(moto, tmp_path, monkeypatch):
 
 
 def test_large_objects_go_up_in_verified_parts(moto, tmp_path, monkeypatch):
-    from nshard.store_s3 import S3Backend
+    from nshard.evidence.store_s3 import S3Backend
 
     target = Target("s3", tmp_path, moto)
     src = tmp_path / "src"

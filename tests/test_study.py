@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from nshard.commit import CommitError, load_commitment
-from nshard.evaluate import read_jsonl
-from nshard.models import load_tokenizer, resolve_model
-from nshard.validate import ValidationError, validate
+from nshard.evidence.commit import CommitError, load_commitment
+from nshard.study.evaluate import read_jsonl
+from nshard.run.models import load_tokenizer, resolve_model
+from nshard.study.validate import ValidationError, validate
 from runs import REPO, run_env, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -139,7 +139,7 @@ def test_an_edited_commitment_is_refused(study, tmp_path):
 
 def test_scoring_an_uncommitted_model_is_refused_unless_exploratory(study, tmp_path):
     other = resolve_model("tiny:1").path  # never trained, never committed
-    cmd = [sys.executable, "-m", "nshard.evaluate", "--run", str(study["out"] / "arms" / "dense"), "--model", other,
+    cmd = [sys.executable, "-m", "nshard.study.evaluate", "--run", str(study["out"] / "arms" / "dense"), "--model", other,
            "--label", "other", "--out", str(tmp_path / "other"), "--max-new-tokens", "4"]
     proc = subprocess.run([*cmd, "--commitment", str(study["out"] / "commitment.json")], cwd=REPO, env=run_env(),
                           capture_output=True, text=True, timeout=300)
@@ -168,7 +168,7 @@ def test_an_exploratory_study_says_so_in_every_output(study):
 def test_a_committed_model_scored_under_another_label_is_refused(study, tmp_path):
     """The dense arm's export scored as the candidate: the record commits those files as dense."""
     out = study["out"]
-    proc = subprocess.run([sys.executable, "-m", "nshard.evaluate", "--run", str(out / "arms" / "dense"),
+    proc = subprocess.run([sys.executable, "-m", "nshard.study.evaluate", "--run", str(out / "arms" / "dense"),
                            "--model", str(out / "arms" / "dense" / "model"), "--label", "powersgd",
                            "--out", str(tmp_path / "swapped"), "--commitment", str(out / "commitment.json"),
                            "--max-new-tokens", "4"], cwd=REPO, env=run_env(), capture_output=True, text=True,
@@ -179,7 +179,7 @@ def test_a_committed_model_scored_under_another_label_is_refused(study, tmp_path
 
 @pytest.mark.parametrize("damage", ["edited", "other models"])
 def test_a_damaged_or_foreign_commitment_stops_the_study_and_stays(study, tmp_path, damage):
-    from nshard.study import commit_candidates
+    from nshard.study.runner import commit_candidates
 
     record = load_commitment(study["out"] / "commitment.json")
     arms = {c["name"]: Path(c["run_dir"]) for c in record["candidates"]}

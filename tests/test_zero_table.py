@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from analysis.zero_table import TableError, load_weights, main, write_table  # noqa: E402
+from nshard.analysis.zero_table import TableError, load_weights, main, write_table  # noqa: E402
 from spawn import run_ranks  # noqa: E402
 
 ROOT_A, ROOT_B = "a" * 64, "b" * 64
@@ -151,7 +151,8 @@ def _optimizer_memory_by_stage(rank, world_size):
 
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))  # as the launcher would
 
-    from nshard.engine import build_engine, optimizer_memory
+    from nshard.seam.engine import build_engine
+    from nshard.seam.patches import optimizer_memory
 
     out = {}
     for stage in (0, 1, 2):
@@ -186,7 +187,7 @@ def test_zero_partitions_optimizer_state_and_keeps_fp32_masters_per_rank():
 @pytest.mark.slow
 def test_zero_stages_on_the_tiny_plan(tmp_path):
     out = tmp_path / "zero-stages"
-    cmd = [sys.executable, str(REPO / "launch/zero_stages.py"), "--out", str(out),
+    cmd = [sys.executable, "-m", "launch.zero_stages", "--out", str(out),
            "--rank", "2", "--warmup", "1", "--lr", "2e-3"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

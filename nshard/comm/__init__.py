@@ -1,6 +1,6 @@
 """Gradient reducers (dense, PowerSGD), their transports (torch.distributed, mpi4py) and byte ledger.
 
-Imports only torch, numpy and (lazily) mpi4py: DeepSpeed stays in nshard/engine.py.
+Imports only torch, numpy and (lazily) mpi4py: DeepSpeed stays in nshard/seam/.
 """
 
 from nshard.comm.agree import RanksDisagree

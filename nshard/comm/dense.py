@@ -77,6 +77,11 @@ class DenseReducer:
         """No error memory to sum gradients into (see PowerSGDReducer.error_sums)."""
         return {}
 
+    def reduce_summed(self, dense_grads: Mapping[str, torch.Tensor]):
+        """Never called: error_sums() is empty, so every gradient goes through reduce()."""
+        raise ValueError("reduce_summed() needs gradients summed into error_sums(); the dense reducer has none: "
+                         "call reduce()")
+
     def reduce(self, named_grads: Mapping[str, torch.Tensor]) -> None:
         grads = sorted_grads(named_grads)
         self.register({n: g.shape for n, g in grads.items()}, "reduce() gradients")

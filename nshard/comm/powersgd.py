@@ -179,9 +179,9 @@ class SummedUpdate:
     Warm-up (dense) updates average the sums in place in the error memory, which finish() zeroes.
     """
 
-    def __init__(self, reducer: "PowerSGDReducer", dense_grads: Mapping[str, torch.Tensor]):
+    def __init__(self, reducer: "PowerSGDReducer", dense_grads: Mapping[str, torch.Tensor],
+                 errors: Mapping[str, torch.Tensor]):
         self.reducer, state = reducer, reducer.state
-        errors = reducer._error_views()
         if not errors or set(dense_grads) != set(state.layout.dense_names):
             raise ValueError("reduce_summed() takes the gradients of the dense remainder "
                              f"{list(state.layout.dense_names) if state.layout else []}, after the compressed "
@@ -286,7 +286,7 @@ class PowerSGDReducer:
         """Like reduce(), after each compressed matrix's gradient was added to error_sums(): the dense
         remainder's gradients are averaged in place; the matrices' outputs come from the returned
         update's output(name), then its finish()."""
-        return SummedUpdate(self, dense_grads)
+        return SummedUpdate(self, dense_grads, self._error_views())
 
     def reduce(self, named_grads: Mapping[str, torch.Tensor]) -> None:
         """Average the gradients over ranks in place: dense during warm-up, PowerSGD after."""

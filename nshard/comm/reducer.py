@@ -13,8 +13,21 @@ from nshard.comm.powersgd import PowerSGDReducer
 from nshard.comm.transport import build_transport
 
 
+class SummedReduction(Protocol):
+    """One update whose compressed gradients were summed into the reducer's error_sums() (Reducer.reduce_summed):
+    each matrix's averaged gradient is computed when asked for, so no full-size output buffer exists."""
+
+    def output(self, name: str) -> torch.Tensor:
+        """The averaged gradient of one summed matrix (once per name)."""
+        ...
+
+    def finish(self) -> None:
+        """Close the update once every output was taken (ledger record, update count)."""
+        ...
+
+
 class Reducer(Protocol):
-    """Averages one update's gradients over data-parallel ranks, in place."""
+    """Averages one update's gradients over data-parallel ranks, in place. The seams call nothing else."""
 
     ledger: ByteLedger
     updates: int
@@ -34,6 +47,11 @@ class Reducer(Protocol):
 
     def reduce(self, named_grads: Mapping[str, torch.Tensor]) -> None:
         """One call per update; names are processed in sorted order so collectives match across ranks."""
+        ...
+
+    def reduce_summed(self, dense_grads: Mapping[str, torch.Tensor]) -> SummedReduction:
+        """reduce() for an update whose matrices were summed into error_sums(): the other (dense) gradients are
+        averaged in place now, the matrices' outputs come from the returned update (a collective: all ranks)."""
         ...
 
     def state_dict(self) -> dict[str, Any]: ...

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nshard import tasks
-from nshard.files import write_json_atomic
-from nshard.plan import Plan
+from nshard.files import write_json_atomic, write_jsonl_atomic
+from nshard.run.plan import Plan
 
 ROLES = ("system", "user", "assistant")
 
@@ -227,12 +227,9 @@ def write_prepared(out: Path, docs: list[Document], prepared: list[Prepared], sc
                    extra: dict, identity: str) -> None:
     """Write prepared/ (documents.jsonl, schedule.json, sets.json, identity.json); identity.json last marks it complete."""
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "documents.jsonl.tmp"
-    with tmp.open("w") as f:
-        for d, p in zip(docs, prepared):
-            f.write(json.dumps({"doc_id": d.doc_id, "kind": d.kind, "family": d.family,
-                                "input_ids": p.input_ids, "weights": p.weights}) + "\n")
-    tmp.replace(out / "documents.jsonl")
+    write_jsonl_atomic(out / "documents.jsonl", ({"doc_id": d.doc_id, "kind": d.kind, "family": d.family,
+                                                  "input_ids": p.input_ids, "weights": p.weights}
+                                                 for d, p in zip(docs, prepared)))
     write_json_atomic(out / "schedule.json", schedule)
     write_json_atomic(out / "sets.json", extra)
     write_json_atomic(out / "identity.json", {"prepared_identity": identity})

@@ -24,12 +24,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nshard import engine as engine_mod
-from nshard import fault
+from nshard.seam import engine as engine_mod
+from nshard.run import fault
 from nshard.comm.agree import shapes_sha256
-from nshard.files import file_sha256, write_json_atomic
-from nshard.ranks import RunError, all_ranks, on_main_rank
-from nshard.receipts import Receipt, parameter_root
+from nshard.files import file_sha256, first_difference, write_json_atomic
+from nshard.run.ranks import RunError, all_ranks, on_main_rank
+from nshard.run.receipts import Receipt, parameter_root
 
 FORMAT = "nshard-state/1"
 MANIFEST = "manifest.json"
@@ -80,13 +80,15 @@ def verify_files(state: Path, manifest: dict) -> None:
     """Every file the manifest lists is present with its SHA-256, and nothing else is there."""
     listed = manifest.get("files", {})
     present = {p.relative_to(state).as_posix() for p in state.rglob("*") if p.is_file()} - {MANIFEST}
-    for rel in sorted(set(listed) | present):
-        if rel not in present:
-            raise StateError(f"--resume: {state} is truncated: {rel}, which its manifest lists, is missing")
-        if rel not in listed:
-            raise StateError(f"--resume: {state} holds {rel}, which its manifest does not list (a foreign or altered state)")
-        if file_sha256(state / rel) != listed[rel]:
-            raise StateError(f"--resume: {state}/{rel} does not match its manifest's SHA-256 (truncated or altered)")
+    difference = first_difference(listed, {rel: file_sha256(state / rel) for rel in sorted(present)})
+    if difference is None:
+        return
+    kind, rel = difference
+    if kind == "missing":
+        raise StateError(f"--resume: {state} is truncated: {rel}, which its manifest lists, is missing")
+    if kind == "extra":
+        raise StateError(f"--resume: {state} holds {rel}, which its manifest does not list (a foreign or altered state)")
+    raise StateError(f"--resume: {state}/{rel} does not match its manifest's SHA-256 (truncated or altered)")
 
 
 def check_fields(state: Path, manifest: dict, current: dict, fields: dict) -> None:

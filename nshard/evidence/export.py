@@ -7,11 +7,11 @@ import os
 import subprocess
 from pathlib import Path
 
-from nshard.files import file_sha256, make_readable
+from nshard.files import file_sha256, first_difference, make_readable
 
 MANIFEST = "manifest.json"
 FORMAT = "nshard-export/1"
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 class ManifestError(RuntimeError):
@@ -66,11 +66,12 @@ def verify_manifest(model_dir: Path) -> dict:
     if body.get("format") != FORMAT:
         raise ManifestError(f"{model_dir / MANIFEST}: format {body.get('format')!r}, expected {FORMAT!r}")
     found = _file_table(model_dir)
-    for rel in sorted(set(body["files"]) | set(found)):
-        if rel not in found:
+    difference = first_difference(body["files"], found)
+    if difference is not None:
+        kind, rel = difference
+        if kind == "missing":
             raise ManifestError(f"{rel}: listed in the manifest but missing")
-        if rel not in body["files"]:
+        if kind == "extra":
             raise ManifestError(f"{rel}: present but not in the manifest")
-        if found[rel] != body["files"][rel]:
-            raise ManifestError(f"{rel}: sha256 {found[rel]['sha256']}, manifest says {body['files'][rel]['sha256']}")
+        raise ManifestError(f"{rel}: sha256 {found[rel]['sha256']}, manifest says {body['files'][rel]['sha256']}")
     return body

@@ -1,8 +1,8 @@
 """Evidence archive: a run's (or a study's) small files and a source snapshot in one tar, every byte bound by SHA-256.
 
-    python -m nshard.archive create RUN_DIR [RUN_DIR ...] ARCHIVE [--extra FILE ...] [--no-source]
-    python -m nshard.archive verify ARCHIVE [--sha256 HEX]
-    python -m nshard.archive extract ARCHIVE DEST
+    python -m nshard.evidence.archive create RUN_DIR [RUN_DIR ...] ARCHIVE [--extra FILE ...] [--no-source]
+    python -m nshard.evidence.archive verify ARCHIVE [--sha256 HEX]
+    python -m nshard.evidence.archive extract ARCHIVE DEST
 
 Members: runs/<run>/ (plan.toml, ds_config.json, run.json, metrics.jsonl and the other top-level files,
 prepared/, receipts/, model/manifest.json: the manifest binds the weights, which stay out), extra/<file>, and
@@ -26,12 +26,12 @@ import tarfile
 import tempfile
 from pathlib import Path, PurePosixPath
 
-from nshard.files import publish_dir
+from nshard.files import first_difference, staged_dir
 
 INDEX = "index.json"
 FORMAT = "nshard-evidence/1"
 RUN_SUBDIRS = ("prepared", "receipts")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 class ArchiveError(RuntimeError):
@@ -207,15 +207,16 @@ def verify_bytes(data: bytes, expected_sha256: str | None = None) -> tuple[dict,
         raise ArchiveError(f"{INDEX} is not an nshard evidence index ({type(exc).__name__}: {exc})") from None
     if index_bytes(index) != listed[0][1]:
         raise ArchiveError(f"{INDEX} does not match its own index_sha256 (or is not in canonical form)")
-    for name in sorted(set(table) | set(members)):
-        if name not in members:
+    found = {name: {"sha256": sha256(data), "bytes": len(data)} for name, data in members.items()}
+    difference = first_difference(table, found)
+    if difference is not None:
+        kind, name = difference
+        if kind == "missing":
             raise ArchiveError(f"member {name!r} is in {INDEX} but not in the archive")
-        if name not in table:
+        if kind == "extra":
             raise ArchiveError(f"member {name!r} is not in {INDEX}")
-        found = {"sha256": sha256(members[name]), "bytes": len(members[name])}
-        if found != table[name]:
-            raise ArchiveError(f"member {name!r}: sha256 {found['sha256']} ({found['bytes']} bytes), "
-                               f"{INDEX} says {table[name]['sha256']} ({table[name]['bytes']} bytes)")
+        raise ArchiveError(f"member {name!r}: sha256 {found[name]['sha256']} ({found[name]['bytes']} bytes), "
+                           f"{INDEX} says {table[name]['sha256']} ({table[name]['bytes']} bytes)")
     if canonical_tar(listed[0][1], members) != data:
         raise ArchiveError("tar headers or padding differ from the canonical form written by create")
     return index, members
@@ -249,28 +250,22 @@ def extract(archive: Path, dest: Path, expected_sha256: str | None = None) -> di
     if dest.exists() or dest.is_symlink():
         raise BadInput(f"{dest} already exists; extract into a new directory")
     index, members, anchored = verify(archive, expected_sha256)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.extract-"))
-    try:
+    with staged_dir(dest, "extract") as tmp:
         for name, data in [(INDEX, index_bytes(index)), *members.items()]:
             path = tmp / name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
-        publish_dir(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"dest": str(dest), "members": len(members), "anchored": anchored}
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
-        print(f"nshard.archive: error: {message} (see python -m nshard.archive --help)", file=sys.stderr)
+        print(f"nshard.archive: error: {message} (see python -m nshard.evidence.archive --help)", file=sys.stderr)
         sys.exit(2)
 
 
 def main(argv=None) -> int:
-    parser = _Parser(prog="nshard.archive", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="nshard.evidence.archive", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("create", help="archive run directories (and extra files)")
     c.add_argument("paths", nargs="+", metavar="RUN_DIR... ARCHIVE")

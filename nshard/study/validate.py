@@ -1,6 +1,6 @@
 """Post-scoring validation: a separate pass that trusts nothing the evaluation wrote.
 
-    python -m nshard.validate --run RUN_DIR --tokenizer MODEL_DIR EVAL_DIR [EVAL_DIR ...]
+    python -m nshard.study.validate --run RUN_DIR --tokenizer MODEL_DIR EVAL_DIR [EVAL_DIR ...]
 
 For every case it rebuilds the case from its ID, re-renders and re-tokenizes the prompt, checks that
 the expected answer is not inside the model input, decodes the stored token ids and compares them
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from nshard import tasks
-from nshard.evaluate import EvalError, case_from_id, load_run_sets, prompt_ids, read_jsonl
+from nshard.study.evaluate import EvalError, case_from_id, load_run_sets, prompt_ids, read_jsonl
 
 
 class ValidationError(RuntimeError):
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokenizer", required=True, type=Path, help="model directory with the tokenizer")
     parser.add_argument("evals", nargs="+", type=Path, help="evaluation directories (label = directory name)")
     args = parser.parse_args(argv)
-    from nshard.models import ModelRef, load_tokenizer
+    from nshard.run.models import ModelRef, load_tokenizer
 
     tokenizer = load_tokenizer(ModelRef(str(args.tokenizer), str(args.tokenizer.resolve()), None, "local"))
     try:

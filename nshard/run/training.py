@@ -13,17 +13,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nshard import data as data_mod
-from nshard import engine as engine_mod
-from nshard import netcount
-from nshard import state as state_mod
+from nshard.run import data as data_mod
+from nshard.seam import engine as engine_mod
+from nshard.seam import patches
+from nshard.run import netcount
+from nshard.run import state as state_mod
 from nshard.comm.config import ReducerConfig
-from nshard.export import write_manifest
-from nshard.loss import deepspeed_backward_scale, pad_microbatch, weighted_nll_sum
+from nshard.evidence.export import write_manifest
+from nshard.run.loss import deepspeed_backward_scale, pad_microbatch, weighted_nll_sum
 from nshard.files import file_sha256, write_json_atomic
-from nshard.plan import Plan
-from nshard.ranks import RunError, all_ranks, on_main_rank
-from nshard.receipts import MetricsLog, Receipt, parameter_root
+from nshard.run.plan import Plan
+from nshard.run.ranks import RunError, all_ranks, on_main_rank
+from nshard.run.receipts import MetricsLog, Receipt, parameter_root
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Run:
     plan_path: Path
     ds_config_path: Path
     ds_config: dict
+    """Completed from the plan (preflight), once."""
     out: Path
     rank: int
     world: int
@@ -43,16 +45,17 @@ class Run:
         return self.rank == 0
 
 
-def preflight(plan: Plan, ds_config: dict, world_size: int) -> None:
-    """Check what can be checked before any process group exists: model path, replay source, batch keys."""
-    from nshard.engine import complete_ds_config
-    from nshard.models import resolve_model
-    from nshard.replay import check_replay_source
+def preflight(plan: Plan, ds_config: dict, world_size: int) -> dict:
+    """Check what can be checked before any process group exists: model path, replay source, batch keys.
+    Returns the ds_config completed from the plan, which the run then uses as it is."""
+    from nshard.seam.ds_config import complete_ds_config
+    from nshard.run.models import resolve_model
+    from nshard.run.replay import check_replay_source
 
     if plan.model.spec != "embedded" and not plan.model.spec.startswith("tiny"):
         resolve_model(plan.model.spec)
     check_replay_source(plan)
-    complete_ds_config(ds_config, plan, world_size)
+    return complete_ds_config(ds_config, plan, world_size)
 
 
 def setup_run_dir(run: Run, overwrite: bool) -> None:
@@ -80,7 +83,7 @@ def write_run_json(run: Run, status: str, **fields) -> None:
 
 def prepare_inputs(run: Run, tokenizer, model_ref):
     """Every rank prepares the inputs itself (deterministic, cheap) and all must agree on the identity."""
-    from nshard.replay import replay_documents
+    from nshard.run.replay import replay_documents
 
     # Rank 0 generates and caches the seed model's replay answers once; the others then read them.
     on_main_rank(run, replay_documents, run.plan, model_ref, tokenizer)
@@ -131,11 +134,11 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
     from tqdm import tqdm
 
     receipt = receipt or Receipt(run.rank, run.world)
-    counter = engine_mod.CollectiveCounter()
+    counter = patches.CollectiveCounter()
     counter.take()
     log = MetricsLog(run.out / "metrics.jsonl" if run.is_main else None, resume_after=start)
     engine.train()
-    link = netcount.LinkCount(engine_mod.CollectiveCounter())  # kernel vs collective bytes over the loop
+    link = netcount.LinkCount(patches.CollectiveCounter())  # kernel vs collective bytes over the loop
     began, state_s_before = time.perf_counter(), receipt.state_s
     for update in tqdm(range(start, len(schedule)), initial=start, total=len(schedule), desc="updates",
                        disable=not run.is_main):
@@ -158,7 +161,7 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
                    "microbatch_sums": seam.sums})
         keeper.after_update(update + 1, receipt)
         counter.take()  # a replica check's or state save's collectives belong to no update
-    ledger = seam.reducer.ledger if hasattr(seam, "reducer") else None  # none under DeepSpeed's own reduction
+    ledger = seam.ledger  # None under DeepSpeed's own reduction
     receipt.where_and_link = link.finish(run.rank, run.world, ledger.total_bytes() if ledger else None)
     keeper.finish(len(schedule), receipt)
     # State saves and replica checks are timed apart (receipt.state_s), so resumed or not, active_s is training.
@@ -191,8 +194,8 @@ def export_model(run: Run, engine, tokenizer, prepared_identity: str) -> str:
 
 
 def run_training(run: Run, overwrite: bool = False, resume_from: Path | None = None) -> dict:
-    """A fresh run, or (resume_from: a state found by nshard.state.find_resumable) one continued from a state."""
-    from nshard.models import load_model, load_tokenizer, resolve_model
+    """A fresh run, or (resume_from: a state found by nshard.run.state.find_resumable) one continued from a state."""
+    from nshard.run.models import load_model, load_tokenizer, resolve_model
 
     # Rank 0 converts the embedded model once; the others then find it cached.
     on_main_rank(run, resolve_model, run.plan.model.spec)
@@ -206,8 +209,7 @@ def run_training(run: Run, overwrite: bool = False, resume_from: Path | None = N
         data_mod.write_prepared(run.out / "prepared", docs, prepared, schedule, sets, identity)
         print(f"prepared identity {identity}", flush=True)
     torch.manual_seed(run.plan.train.seed)
-    engine = engine_mod.build_engine(load_model(model_ref),
-                                     engine_mod.complete_ds_config(run.ds_config, run.plan, run.world))
+    engine = engine_mod.build_engine(load_model(model_ref), run.ds_config)
     seam = engine_mod.install_reducer(engine, run.reducer)
     keeper = state_mod.StateKeeper(run, engine, seam, identity)
     start, receipt = keeper.restore(resume_from) if resume_from else (0, None)
@@ -218,9 +220,9 @@ def run_training(run: Run, overwrite: bool = False, resume_from: Path | None = N
     root = export_model(run, engine, tokenizer, identity)
     active_plus_checkpoint = receipt.active_s + receipt.state_s + time.perf_counter() - t0
     extra = {"zero_stage": engine_mod.zero_stage(engine), "reducer": seam.name,
-             "prepared_identity": identity, "comms_logged": engine_mod.comms_logged(),
-             "parameter_all_gather": engine_mod.parameter_all_gather(engine),
-             **engine_mod.optimizer_memory(engine)}
+             "prepared_identity": identity, "comms_logged": patches.comms_logged(),
+             "parameter_all_gather": patches.parameter_all_gather(engine),
+             **patches.optimizer_memory(engine)}
     body = receipt.finish(run.out / "receipts" / f"rank-{run.rank}.json", root, active_plus_checkpoint, extra)
     dist.barrier()
     if run.is_main:

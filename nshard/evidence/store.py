@@ -1,8 +1,8 @@
 """Content-addressed storage of a directory: objects named by their SHA-256, in a local directory or on S3.
 
-    python -m nshard.store push SRC URI      # SRC: a directory (or one file); URI: a directory or s3://bucket/prefix
-    python -m nshard.store verify URI        # re-read every object; exit 1 naming any that does not match
-    python -m nshard.store pull URI DEST     # rebuild the tree, hashes checked as it is written
+    python -m nshard.evidence.store push SRC URI      # SRC: a directory (or one file); URI: a directory or s3://bucket/prefix
+    python -m nshard.evidence.store verify URI        # re-read every object; exit 1 naming any that does not match
+    python -m nshard.evidence.store pull URI DEST     # rebuild the tree, hashes checked as it is written
 
 Layout under URI: `objects/sha256/<2 hex>/<sha256>` for each file's bytes, and `index.json` (relative path ->
 sha256, bytes), written last, only once every object has been read back and matched. An object key is never
@@ -16,82 +16,20 @@ import argparse
 import hashlib
 import json
 import os
-import random
-import shutil
 import sys
 import tempfile
 from pathlib import Path, PurePosixPath
-from typing import Iterator, Protocol
+from typing import Iterator
 
-from nshard.files import file_sha256, publish_dir
+from nshard.evidence.backend import Backend, BadInput, FileSink, MemorySink, Sink, StoreError, hash_into
+from nshard.files import file_chunks, file_sha256, staged_dir
 
 INDEX = "index.json"
 INDEX_FORMAT = "nshard-store/1"
-CHUNK = 1 << 20
-
-
-class StoreError(RuntimeError):
-    """The store or the network failed; nothing was claimed (exit 1)."""
-
-
-class BadInput(StoreError):
-    """A bad argument: missing source, malformed URI, existing destination (exit 2)."""
 
 
 def object_key(sha256: str) -> str:
     return f"objects/sha256/{sha256[:2]}/{sha256}"
-
-
-class Backend(Protocol):
-    """Raw key/value primitives; the content-addressed rules live in put_verified / push / verify / pull."""
-    uri: str
-
-    def check(self, writing: bool) -> None: ...           # the store is reachable (and exists, unless writing)
-    def size(self, key: str) -> int | None: ...           # None when the key does not exist
-    def put(self, key: str, source: Path | bytes, sha256: str) -> None: ...
-    def read_to(self, key: str, sink: Sink) -> str: ...   # stream every byte into sink; returns their SHA-256
-    def keys(self, prefix: str) -> Iterator[str]: ...
-
-
-class Sink:
-    """Where read bytes go; reset() before a retried read starts again. This one discards them."""
-
-    def write(self, chunk: bytes) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
-
-
-class MemorySink(Sink):
-    def __init__(self):
-        self.data = bytearray()
-
-    def write(self, chunk: bytes) -> None:
-        self.data += chunk
-
-    def reset(self) -> None:
-        self.data.clear()
-
-
-class FileSink(Sink):
-    def __init__(self, f):
-        self.f = f
-
-    def write(self, chunk: bytes) -> None:
-        self.f.write(chunk)
-
-    def reset(self) -> None:
-        self.f.seek(0)
-        self.f.truncate()
-
-
-def _hash_into(chunks, sink) -> str:
-    h = hashlib.sha256()
-    for chunk in chunks:
-        h.update(chunk)
-        sink.write(chunk)
-    return h.hexdigest()
 
 
 def read_sha256(backend: Backend, key: str) -> str:
@@ -120,8 +58,8 @@ class LocalBackend:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".put-")
         try:
             with os.fdopen(fd, "wb") as out:
-                chunks = [source] if isinstance(source, bytes) else _file_chunks(source)
-                written = _hash_into(chunks, FileSink(out))
+                chunks = [source] if isinstance(source, bytes) else file_chunks(source)
+                written = hash_into(chunks, FileSink(out))
                 out.flush()
                 os.fsync(out.fileno())
                 os.fchmod(out.fileno(), 0o644)
@@ -135,7 +73,7 @@ class LocalBackend:
             os.unlink(tmp)
 
     def read_to(self, key: str, sink: Sink) -> str:
-        return _hash_into(_file_chunks(self.root / key), sink)
+        return hash_into(file_chunks(self.root / key), sink)
 
     def keys(self, prefix: str) -> Iterator[str]:
         base = self.root / prefix
@@ -144,14 +82,9 @@ class LocalBackend:
                 yield path.relative_to(self.root).as_posix()
 
 
-def _file_chunks(path: Path):
-    with open(path, "rb") as f:
-        yield from iter(lambda: f.read(CHUNK), b"")
-
-
 def open_backend(uri: str) -> Backend:
     if uri.startswith("s3://"):
-        from nshard.store_s3 import S3Backend
+        from nshard.evidence.store_s3 import S3Backend
 
         return S3Backend(uri)
     if "://" in uri:
@@ -261,9 +194,7 @@ def pull(backend: Backend, dest: Path) -> dict:
         raise BadInput(f"{dest} already exists; pull into a new directory")
     backend.check(writing=False)
     files = read_index(backend)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.pull-"))
-    try:
+    with staged_dir(dest, "pull") as tmp:
         for rel, entry in sorted(files.items()):
             target = tmp / rel
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -275,22 +206,12 @@ def pull(backend: Backend, dest: Path) -> dict:
                 raise StoreError(f"object {key} ({rel}) could not be read: {exc}") from None
             if found != entry["sha256"]:
                 raise StoreError(f"object {key} ({rel}) has sha256 {found}; not pulled")
-        publish_dir(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"dest": str(dest), "files": len(files), "bytes": sum(e["bytes"] for e in files.values())}
-
-
-def backoff_s(attempt: int, base_s: float = 0.2, cap_s: float = 8.0) -> float:
-    """Exponential with jitter: half the step fixed, half random (attempt counts from 1)."""
-    step = min(cap_s, base_s * 2 ** (attempt - 1))
-    return step / 2 + random.random() * step / 2
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
-        fail(f"{message} (see python -m nshard.store --help)", 2)
+        fail(f"{message} (see python -m nshard.evidence.store --help)", 2)
 
 
 def fail(message: str, code: int):
@@ -299,7 +220,7 @@ def fail(message: str, code: int):
 
 
 def main(argv=None) -> int:
-    parser = _Parser(prog="nshard.store", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="nshard.evidence.store", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("push", help="store SRC under URI").add_argument("src")
     sub.choices["push"].add_argument("uri")
@@ -328,7 +249,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the imported module's main, not this __main__ copy: nshard.store_s3 raises nshard.store's errors.
-    from nshard.store import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -18,7 +18,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PLAN = REPO_ROOT / "launch" / "plans" / "demo.toml"
 
 
@@ -177,7 +177,7 @@ class StudySection:
 
 @dataclass(frozen=True)
 class CheckpointSection:
-    """Complete resumable states (nshard/state.py) and replica checks."""
+    """Complete resumable states (nshard/run/state.py) and replica checks."""
 
     every: int = 0
     """Updates between complete states; 0: only at the end. `--resume` continues from the newest."""
@@ -240,7 +240,23 @@ def load_plan(path: str | Path) -> Plan:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise PlanError(f"plan file {path} is not valid TOML: {exc}") from None
-    return plan_from_dict(raw, default_name=path.stem)
+    plan = plan_from_dict(raw, default_name=path.stem)
+    # Files the plan names are found from any working directory (a study run outside the checkout included).
+    data = dataclasses.replace(plan.data, replay_file=str(find_beside(plan.data.replay_file, path)))
+    study = dataclasses.replace(plan.study, hostfile=str(find_beside(plan.study.hostfile, path)))
+    return dataclasses.replace(plan, data=data, study=study)
+
+
+def find_beside(name: str, plan_path: Path) -> str | Path:
+    """A path a plan names, as given when it exists from the working directory (or is empty or absolute),
+    else from the plan's folder or the nearest folder above it that holds it (a plan in launch/plans/ names
+    launch/data/... from the repository root); unchanged when none holds it, so the error names it as given."""
+    if not name or Path(name).is_absolute() or Path(name).exists():
+        return name
+    for folder in Path(plan_path).resolve().parents:
+        if (folder / name).exists():
+            return folder / name
+    return name
 
 
 def plan_from_dict(raw: dict, default_name: str = "plan") -> Plan:

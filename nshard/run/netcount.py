@@ -51,7 +51,7 @@ def where() -> dict:
 
 class LinkCount:
     """Started before the training loop, finished after it: the kernel's bytes against the collectives' bytes
-    over the same span. `collectives` is an nshard.engine.CollectiveCounter (comms-logger bytes since its last take)."""
+    over the same span. `collectives` is an nshard.seam.patches.CollectiveCounter (comms-logger bytes since its last take)."""
 
     def __init__(self, collectives):
         self.interface = link_interface()

@@ -1,6 +1,6 @@
 """Score one model on a run's prepared sets: greedy answers on the fresh cases, loss on the retention documents.
 
-    python -m nshard.evaluate --run RUN_DIR --model MODEL_DIR --label NAME --out EVAL_DIR \
+    python -m nshard.study.evaluate --run RUN_DIR --model MODEL_DIR --label NAME --out EVAL_DIR \
         (--commitment COMMITMENT.json | --exploratory) [--seed-eval SEED_EVAL_DIR]
 
 Writes EVAL_DIR/cases.jsonl (one line per case), retention.jsonl (one line per retention document)
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nshard import tasks
-from nshard.files import write_json_atomic
+from nshard.files import write_json_atomic, write_jsonl_atomic
 
 CASE_ID = re.compile(r"^(?P<family>[a-z_]+)-s(?P<seed>\d+)-(?P<index>\d+)$")
 
@@ -118,7 +118,7 @@ def retention_losses(model, retention: list[dict], desc: str = "retention") -> l
     import torch
     from tqdm import tqdm
 
-    from nshard.loss import weighted_nll_sum
+    from nshard.run.loss import weighted_nll_sum
 
     out = []
     for doc in tqdm(retention, desc=desc, unit="doc"):
@@ -137,20 +137,12 @@ def read_jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def write_jsonl_atomic(path: Path, rows) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    tmp.replace(path)
-
-
 def score_model(label: str, model_dir: Path, run_dir: Path, out: Path, *, commitment: Path | None,
                 exploratory: bool = False, seed_eval: Path | None = None, max_new_tokens: int = 48,
                 batch_size: int = 16) -> dict:
     """Evaluate one model directory; refuses a model that the commitment does not name unless exploratory."""
-    from nshard import commit as commit_mod
-    from nshard.models import ModelRef, load_model, load_tokenizer
+    from nshard.evidence import commit as commit_mod
+    from nshard.run.models import ModelRef, load_model, load_tokenizer
 
     model_dir = Path(model_dir)
     files = commit_mod.model_files(model_dir)
@@ -159,7 +151,7 @@ def score_model(label: str, model_dir: Path, run_dir: Path, out: Path, *, commit
     else:
         if commitment is None:
             raise EvalError(f"{label}: no commitment given; commit the candidates first "
-                            "(python -m nshard.commit) or pass --exploratory")
+                            "(python -m nshard.evidence.commit) or pass --exploratory")
         record = commit_mod.load_commitment(commitment)
         name = commit_mod.committed_name(record, files)
         if name is None:
@@ -230,7 +222,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--batch-size", type=int, default=16)
     args = parser.parse_args(argv)
-    from nshard.commit import CommitError
+    from nshard.evidence.commit import CommitError
 
     try:
         summary = score_model(args.label, args.model, args.run, args.out, commitment=args.commitment,

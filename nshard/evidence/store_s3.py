@@ -18,7 +18,8 @@ import urllib3
 from botocore import exceptions as boto_errors
 from botocore.config import Config
 
-from nshard.store import CHUNK, BadInput, Sink, StoreError, _hash_into, backoff_s
+from nshard.evidence.backend import BadInput, Sink, StoreError, backoff_s, hash_into
+from nshard.files import CHUNK
 
 TRANSIENT_CODES = {"RequestTimeout", "SlowDown", "Throttling", "ThrottlingException", "InternalError",
                    "ServiceUnavailable"}
@@ -142,7 +143,7 @@ class S3Backend:
             sink.reset()
             body = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
             try:
-                return _hash_into(body.iter_chunks(CHUNK), sink)
+                return hash_into(body.iter_chunks(CHUNK), sink)
             finally:
                 body.close()
         return self._call(f"GET {self.uri}/{key}", get)

@@ -1,7 +1,8 @@
-"""Where one update's gradients are reduced: DeepSpeed's own all-reduce, or an nshard reducer in its place.
-
-Each seam runs a microbatch's forward and backward and the optimizer step; nshard/engine.py picks
-the seam and prepares DeepSpeed for it (the private attributes live there, not here).
+"""The pooled-memory ingest path for ZeRO-1/2 and bf16, in one place: the ingest seam (each gradient summed
+as autograd makes it), the partition writer (the reduced gradient straight into ZeRO's partition), and where
+the reducer's summed update (comm/powersgd.py SummedUpdate, behind Reducer.reduce_summed) is consumed.
+The optimizer step that follows runs nshard/seam/chunked_adamw.py and ends with nshard/seam/param_gather.py's
+in-place all-gather, both installed by nshard/seam/engine.py and nshard/seam/patches.py.
 """
 
 from __future__ import annotations
@@ -10,75 +11,8 @@ import functools
 
 import torch
 
-
-class DeepSpeedReduction:
-    """DeepSpeed's own gradient all-reduce; its bytes come from DeepSpeed's comms logger."""
-
-    name = "deepspeed"
-    sums = "deepspeed"  # where an update's microbatch gradients are summed
-
-    def forward(self, engine, **inputs):
-        return engine(**inputs)
-
-    def backward_and_step(self, engine, loss, last: bool) -> None:
-        engine.backward(loss, scale_wrt_gas=False)
-        engine.step()  # DeepSpeed steps the optimizer only at its accumulation boundary
-
-    def last_update_compressed(self) -> bool:
-        return False
-
-    def last_update_bytes(self) -> int:
-        return 0
-
-    def state_dict(self) -> dict:
-        return {}  # DeepSpeed's own reduction keeps nothing between updates
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-
-class ReducerSeam:
-    """Shared by the nshard seams: the reducer, the trained parameters, the ledger's last record."""
-
-    def __init__(self, engine, reducer, name: str):
-        self.reducer, self.name = reducer, name
-        self.params = {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
-        reducer.register({n: tuple(p.shape) for n, p in self.params.items()})
-        # What the optimizer receives: the parameter's dtype (bf16 under bf16, though reduced in fp32).
-        reducer.deliver_as({n: p.dtype for n, p in self.params.items()})
-
-    def last_update_compressed(self) -> bool:
-        return self.reducer.ledger.records[-1]["compressed"]
-
-    def last_update_bytes(self) -> int:
-        return sum(self.reducer.ledger.records[-1]["bytes"].values())
-
-    def state_dict(self) -> dict:
-        """The reducer's state (between updates the seams' own buffers hold zeros: nothing else to keep)."""
-        return {"reducer": self.reducer.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.reducer.load_state_dict(state["reducer"])
-
-
-class InPlaceSeam(ReducerSeam):
-    """Stage 0, fp32: DeepSpeed's all-reduce is switched off (enable_backward_allreduce), microbatch
-    gradients accumulate in .grad through engine.backward, and after the last one the reducer
-    averages .grad in place before engine.step()."""
-
-    sums = ".grad"
-
-    def forward(self, engine, **inputs):
-        return engine(**inputs)
-
-    def backward_and_step(self, engine, loss, last: bool) -> None:
-        engine.backward(loss, scale_wrt_gas=False)
-        if last:
-            for p in self.params.values():
-                if p.grad is None:  # every parameter takes part in every update, with a zero gradient if unused
-                    p.grad = torch.zeros_like(p)
-            self.reducer.reduce({n: p.grad for n, p in self.params.items()})
-        engine.step()
+from nshard.seam import patches
+from nshard.seam.reduction import ReducerSeam
 
 
 class IngestSeam(ReducerSeam):
@@ -91,9 +25,9 @@ class IngestSeam(ReducerSeam):
     gradient to an fp32 sum the moment autograd produces it and hands autograd back a zero-stride
     zero, so one parameter's gradient exists at a time, not all of them (issue 9 item 2). The
     reducer averages the sums and hands them to DeepSpeed: under ZeRO-1/2 `partition_writer`
-    (engine.py's ZeroPartitionWriter) copies each parameter's owned slice into ZeRO's gradient
+    (ZeroPartitionWriter, below) copies each parameter's owned slice into ZeRO's gradient
     partition; bf16 at stage 0 takes a backward through HandOver nodes, whose gradient is exactly the
-    reduced sum, into DeepSpeed's hooks, whose own reduction engine.py has replaced by a no-op.
+    reduced sum, into DeepSpeed's hooks, whose own reduction patches.py has replaced by a no-op.
     engine.step() updates. DeepSpeed runs with gradient_accumulation_steps=1: it sees one
     micro-step per update.
 
@@ -201,3 +135,37 @@ class HandOver(torch.autograd.Function):
         del ctx.reduced
         param_grad = grad_output * reduced.to(grad_output.dtype)
         return param_grad, None
+
+
+class ZeroPartitionWriter:
+    """Hands ZeRO-1/2 an already-reduced gradient by writing each parameter's owned slice straight into the
+    flat gradient partition its step() reads (averaged_gradients[i], ZeRO's own compact partition buffer:
+    what its reduction epilogue builds when it accumulates in fp32), so DeepSpeed's backward, its per-parameter
+    hooks, its reduce bucket (4 bytes per parameter) and its copies into the partition are not needed.
+
+    The values are what DeepSpeed's path delivered (the gradient rounded to the parameter's dtype, then held in
+    the partition's dtype), at the offsets ZeRO computed at construction, so the step is unchanged bit for bit.
+    ZeRO's attributes are read through nshard/seam/patches.py.
+    """
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.slices = patches.zero_owned_slices(optimizer)  # id(param) -> (group, source, destination, count)
+        self.buffers, self.flats = None, None
+
+    def begin(self) -> None:
+        """Fresh zeroed partitions (ZeRO's step releases them, so they do not outlive the update)."""
+        self.buffers, self.flats = patches.fresh_zero_partitions(self.optimizer)
+
+    def write(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Copy the part of `grad` (param's full reduced gradient) that this rank owns; nothing if none."""
+        where = self.slices.get(id(param))
+        if where is None:
+            return
+        group, source, destination, count = where
+        owned = grad.reshape(-1).narrow(0, source, count).to(param.dtype)
+        self.flats[group].narrow(0, destination, count).copy_(owned)
+
+    def finish(self) -> None:
+        patches.hand_zero_partitions(self.optimizer, self.buffers)
+        self.buffers, self.flats = None, None

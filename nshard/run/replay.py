@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
-from nshard.data import DataError, Document, read_replay_file
-from nshard.files import cache_root
-from nshard.plan import Plan
+from nshard.run.data import DataError, Document, read_replay_file
+from nshard.files import cache_root, write_jsonl_atomic
+from nshard.run.plan import Plan
 
 GENERAL_PROMPTS = (
     "What is the capital of France?",
@@ -92,11 +91,11 @@ def _generate(model_ref, tokenizer, prompts, path: Path, batch: int = 8) -> None
     """Greedy answers of the seed model, written atomically as replay JSONL."""
     import torch
 
-    from nshard.models import load_model
+    from nshard.run.models import load_model
 
     model = load_model(model_ref).eval()
     tokenizer.padding_side = "left"  # generation continues from the right edge of every row
-    lines = []
+    rows = []
     for start in range(0, len(prompts), batch):
         chunk = prompts[start:start + batch]
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
@@ -108,9 +107,6 @@ def _generate(model_ref, tokenizer, prompts, path: Path, batch: int = 8) -> None
         for i, prompt in enumerate(chunk):
             answer = tokenizer.decode(out[i, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
             messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer or "."}]
-            lines.append(json.dumps({"id": f"replay-builtin-{start + i:04d}", "messages": messages}))
+            rows.append({"id": f"replay-builtin-{start + i:04d}", "messages": messages})
     tokenizer.padding_side = "right"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(path)
+    write_jsonl_atomic(path, rows)

@@ -1,12 +1,12 @@
 """A study's results: accuracy per family, paired bounds against each control, retention, the declared
 quality and speed screens, the report tables and the plots. Reads the study directory's files only.
 
-    python -m analysis.study STUDY_DIR
+    python -m nshard.analysis.report STUDY_DIR
 
 Reads STUDY_DIR/study.json (the arms, the declared screens, what the runner saw), the arms' run
 directories (run.json, receipts, metrics.jsonl), STUDY_DIR/commitment.json and STUDY_DIR/eval/*/, and
 hashes again the model files the commitment names: a score counts only if the record names exactly
-those files under exactly that label (nshard.commit's checks, which need no torch).
+those files under exactly that label (nshard.evidence.commit's checks, which need no torch).
 Writes STUDY_DIR/results.json, STUDY_DIR/report.md and STUDY_DIR/plots/*.png; prints the main table.
 """
 
@@ -19,8 +19,8 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
-from analysis.paired import PairingError, cases_for_one_loss, mean_interval, paired_bounds
-from nshard.commit import CommitError, check_committed_as, load_commitment, model_files
+from nshard.analysis.paired import PairingError, cases_for_one_loss, mean_interval, paired_bounds
+from nshard.evidence.commit import CommitError, check_committed_as, load_commitment, model_files
 
 FAMILY_TITLES = {"lookup": "Lookup", "filtering": "Filtering", "sorting": "Sorting", "invoice": "Invoice totals"}
 
@@ -475,7 +475,7 @@ def main(argv=None) -> int:
         results = write_outputs(args.study_dir)
     except (StudyError, PairingError, OSError, KeyError, TypeError, ValueError) as exc:
         # One line naming the problem (json.JSONDecodeError and PairingError are ValueErrors).
-        print(f"analysis.study: error: {type(exc).__name__}: {' '.join(str(exc).split())}", file=sys.stderr)
+        print(f"nshard.analysis.report: error: {type(exc).__name__}: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     print(learning_table(results))
     print(f"\nquality screen: {'PASSED' if results['screens']['quality']['passed'] else 'FAILED'}; "

@@ -23,8 +23,11 @@ import time
 from pathlib import Path
 
 from nshard.files import file_sha256, write_json_atomic
-from nshard.launch_env import free_port
-from nshard.plan import REPO_ROOT, ArmSpec, Plan, PlanError, load_plan
+from nshard.seam.launch_env import free_port
+from nshard.run.plan import REPO_ROOT, ArmSpec, Plan, PlanError, find_beside, load_plan
+
+TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "train.py"
+"""nshard/train.py of the nshard this runner was imported from (a checkout or an installed copy)."""
 
 
 class StudyError(RuntimeError):
@@ -35,18 +38,19 @@ def say(message: str) -> None:
     print(f"[study] {message}", flush=True)
 
 
-def resolve_ds_config(path: str) -> Path:
-    """A relative ds_config path is read from the working directory, else from the repository root."""
-    for candidate in (Path(path), REPO_ROOT / path):
+def resolve_ds_config(path: str, plan_path: Path) -> Path:
+    """A relative ds_config path is read from the working directory, else beside the plan (its folder or the
+    nearest one above it that holds the path), else from the repository root."""
+    for candidate in (Path(find_beside(path, plan_path)), REPO_ROOT / path):
         if candidate.is_file():
             return candidate.resolve()
-    raise StudyError(f"study.arms ds_config {path} does not exist (looked in {Path.cwd()} and {REPO_ROOT}); "
-                     "fix the arm's ds_config path")
+    raise StudyError(f"study.arms ds_config {path} does not exist (looked in {Path.cwd()}, beside {plan_path} "
+                     f"and in {REPO_ROOT}); fix the arm's ds_config path")
 
 
 def launch_command(arm: ArmSpec, plan: Plan, plan_path: Path, ds_config: Path, run_dir: Path, port: int) -> list[str]:
     """DeepSpeed's own launcher: one rank, N local ranks, or the plan's hostfile."""
-    from nshard.hostfile import parse_hostfile
+    from nshard.run.hostfile import parse_hostfile
 
     deepspeed = str(Path(sys.executable).with_name("deepspeed"))
     if arm.ranks == 1 or not plan.study.hostfile:
@@ -59,7 +63,7 @@ def launch_command(arm: ArmSpec, plan: Plan, plan_path: Path, ds_config: Path, r
         where = ["--hostfile", plan.study.hostfile]
         if list(hosts) == ["localhost"]:  # DeepSpeed's plain form would ssh to localhost
             where += ["--no_ssh_check", "--master_addr", "127.0.0.1"]
-    return [deepspeed, *where, "--master_port", str(port), str(REPO_ROOT / "nshard" / "train.py"),
+    return [deepspeed, *where, "--master_port", str(port), str(TRAIN_SCRIPT),
             "--ds_config", str(ds_config), "--plan", str(plan_path), "--out", str(run_dir), "--overwrite"]
 
 
@@ -76,7 +80,7 @@ def arm_is_done(run_dir: Path, plan_sha: str, ds_sha: str, ranks: int) -> bool:
 
 def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: dict | None) -> dict:
     """Train one arm unless it already finished with these inputs; a failure is recorded, never retried here."""
-    ds_config = resolve_ds_config(arm.ds_config)
+    ds_config = resolve_ds_config(arm.ds_config, plan_path)
     run_dir = out / "arms" / arm.name
     plan_sha, ds_sha = file_sha256(plan_path), file_sha256(ds_config)
     attempts = list((previous or {}).get("attempts", []))
@@ -100,7 +104,7 @@ def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: di
     with log.open("w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
-        rc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
     wall = time.perf_counter() - t0
     attempts.append({"rc": rc, "log": str(log), "wall_s": wall,
                      "at": datetime.datetime.now(datetime.timezone.utc).isoformat()})
@@ -114,7 +118,7 @@ def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: di
 
 def commit_candidates(out: Path, seed_dir: Path, arms: dict[str, Path]) -> dict:
     """One record for all finished arms; an earlier record that names exactly the same models is kept."""
-    from nshard import commit
+    from nshard.evidence import commit
 
     path = out / "commitment.json"
     fresh = commit.build_commitment(seed_dir, arms)
@@ -137,8 +141,8 @@ def commit_candidates(out: Path, seed_dir: Path, arms: dict[str, Path]) -> dict:
 
 def score_all(plan: Plan, out: Path, seed_dir: Path, arms: dict[str, Path], record: dict | None) -> dict[str, Path]:
     """Score the seed, then every candidate (retention measured against the seed's losses)."""
-    from nshard import commit
-    from nshard.evaluate import score_model
+    from nshard.evidence import commit
+    from nshard.study.evaluate import score_model
 
     exploratory = record is None
     reference_run = next(iter(arms.values()))
@@ -169,29 +173,29 @@ def prepare_shared_caches(plan: Plan) -> None:
     model's replay answers, DeepSpeed's CPU collective build. The first arm would otherwise carry it."""
     import torch
 
-    from nshard.models import load_tokenizer, resolve_model
-    from nshard.replay import replay_documents
+    from nshard.run.models import load_tokenizer, resolve_model
+    from nshard.run.replay import replay_documents
 
     t0 = time.perf_counter()
     ref = resolve_model(plan.model.spec)
     replay_documents(plan, ref, load_tokenizer(ref))
     if not torch.cuda.is_available():
-        from nshard.engine import build_cpu_comm_extension
+        from nshard.seam.engine import build_cpu_comm_extension
 
         build_cpu_comm_extension()
     say(f"shared caches ready (model, replay answers, DeepSpeed's CPU collective) in {time.perf_counter() - t0:.0f} s")
 
 
 def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = False) -> dict:
-    from nshard.models import ModelRef, load_tokenizer, resolve_model
-    from nshard.validate import validate
+    from nshard.run.models import ModelRef, load_tokenizer, resolve_model
+    from nshard.study.validate import validate
 
     plan_path = Path(plan_path).resolve()
     plan = load_plan(plan_path)
     out = Path(out or Path("runs") / f"study-{plan.name}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     for arm in plan.study.arms:  # every ds_config is checked before the first arm starts
-        resolve_ds_config(arm.ds_config)
+        resolve_ds_config(arm.ds_config, plan_path)
     previous = {}
     if (out / "study.json").is_file():
         previous = {a["name"]: a for a in json.loads((out / "study.json").read_text()).get("arms", [])}
@@ -222,9 +226,9 @@ def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = Fals
     study["train_s"], study["total_s"] = train_s, time.perf_counter() - t0
     write_json_atomic(out / "study.json", study)
     # The analysis reads files only; a separate process keeps torch and nshard out of it.
-    proc = subprocess.run([sys.executable, "-m", "analysis.study", str(out)], cwd=REPO_ROOT)
+    proc = subprocess.run([sys.executable, "-m", "nshard.analysis.report", str(out)])
     if proc.returncode != 0:
-        raise StudyError(f"analysis failed (exit {proc.returncode}); rerun python -m analysis.study {out}")
+        raise StudyError(f"analysis failed (exit {proc.returncode}); rerun python -m nshard.analysis.report {out}")
     say(f"results: {out / 'results.json'}; report: {out / 'report.md'}; plots: {out / 'plots'}")
     return json.loads((out / "results.json").read_text())
 
@@ -236,10 +240,10 @@ def main(argv=None) -> int:
     parser.add_argument("--exploratory", action="store_true",
                         help="score without a commitment; every output is marked exploratory")
     args = parser.parse_args(argv)
-    from nshard.commit import CommitError
-    from nshard.evaluate import EvalError
-    from nshard.hostfile import HostfileError
-    from nshard.validate import ValidationError
+    from nshard.evidence.commit import CommitError
+    from nshard.study.evaluate import EvalError
+    from nshard.run.hostfile import HostfileError
+    from nshard.study.validate import ValidationError
 
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     try:

@@ -1,6 +1,6 @@
 """Check a DeepSpeed hostfile ("HOST slots=N" per line, # comments) before the launcher reads it.
 
-    python -m nshard.hostfile hostfile      # exit 0 and print the hosts, or one error naming the line
+    python -m nshard.run.hostfile hostfile      # exit 0 and print the hosts, or one error naming the line
 """
 
 from __future__ import annotations

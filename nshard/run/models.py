@@ -13,7 +13,7 @@ import re
 import shutil
 import tempfile
 
-from nshard.files import cache_root, file_sha256
+from nshard.files import cache_root, file_chunks, file_sha256
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
@@ -110,9 +110,8 @@ def dir_sha256(path: Path) -> str:
         if not f.name.endswith(HASHED_SUFFIXES):
             continue
         h.update(f"{f.name}\0{f.stat().st_size}\0".encode())
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
+        for chunk in file_chunks(f):
+            h.update(chunk)
     return h.hexdigest()
 
 

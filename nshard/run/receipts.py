@@ -54,7 +54,7 @@ class Receipt:
     state_saves: list[dict] = field(default_factory=list)
     resumed_from: list[int] = field(default_factory=list)
     """The update each --resume continued from (empty: one uninterrupted process)."""
-    where_and_link: dict = field(default_factory=dict)  # host, net_namespace, link byte counts (nshard/netcount.py)
+    where_and_link: dict = field(default_factory=dict)  # host, net_namespace, link byte counts (nshard/run/netcount.py)
 
     def record_update(self, seconds: float, grad_bytes: int, other_bytes: int, compressed: bool) -> None:
         self.update_s.append(seconds)

@@ -1,10 +1,10 @@
 """Commit-before-score: one record that names every candidate of a study before any of them is scored.
 
-    python -m nshard.commit OUT.json --seed SEED_MODEL_DIR --arm NAME=RUN_DIR [--arm NAME=RUN_DIR ...]
+    python -m nshard.evidence.commit OUT.json --seed SEED_MODEL_DIR --arm NAME=RUN_DIR [--arm NAME=RUN_DIR ...]
 
 For each candidate the record holds its exported model's per-file SHA-256, its parameter root,
 the plan and ds_config hashes, the prepared identity and the source commit; the record's own
-SHA-256 covers all of it. `nshard.evaluate` refuses a model that no record names.
+SHA-256 covers all of it. `nshard.study.evaluate` refuses a model that no record names.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from nshard.export import ManifestError, source_commit, verify_manifest
+from nshard.evidence.export import ManifestError, source_commit, verify_manifest
 from nshard.files import file_sha256, write_json_atomic
 
 
@@ -91,7 +91,7 @@ def load_commitment(path: Path) -> dict:
     """Read a record and check its own hash: an edited record is refused."""
     path = Path(path)
     if not path.is_file():
-        raise CommitError(f"commitment {path} does not exist; run python -m nshard.commit first")
+        raise CommitError(f"commitment {path} does not exist; run python -m nshard.evidence.commit first")
     try:
         body = json.loads(path.read_text())
     except json.JSONDecodeError as exc:

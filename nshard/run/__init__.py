@@ -1,0 +1,1 @@
+"""The training run: plan, data, loss, models, replay, receipts, resumable state and the run directory."""

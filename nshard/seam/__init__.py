@@ -1,0 +1,1 @@
+"""The DeepSpeed seam: the only package that imports DeepSpeed (ds_config rules, engine, patches, ingest)."""

@@ -1,0 +1,120 @@
+"""The ds_config rules: read and check the DeepSpeed JSON, parse its "nshard" section, and complete it from the
+plan once, before any process group or engine exists. Imports no DeepSpeed."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from typing import TYPE_CHECKING
+
+from nshard.comm.config import ReducerConfig
+
+if TYPE_CHECKING:  # the plan is read, never imported: the seam sits below the run
+    from nshard.run.plan import Plan
+
+# Keys nshard derives from the plan (documents per batch); a ds_config may leave them out or "auto".
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+class DsConfigError(ValueError):
+    """A ds_config that cannot be run; the message names the key and the fix."""
+
+
+def load_ds_config(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise DsConfigError(f"ds_config {path} does not exist: give --ds_config a file such as ds_configs/dense.json")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DsConfigError(f"ds_config {path}: not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    if not isinstance(config, dict):
+        raise DsConfigError(f"ds_config {path}: the top level must be a JSON object")
+    validate_ds_config(config)
+    return config
+
+
+def validate_ds_config(config: dict) -> None:
+    """Check what nshard relies on before any process group or model exists."""
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise DsConfigError(f"zero_optimization.stage={stage!r}: use 0, 1, 2 or 3")
+    opt = config.get("optimizer")
+    if opt is None:
+        raise DsConfigError("ds_config has no 'optimizer': add {\"type\": \"AdamW\", \"params\": {\"lr\": ...}}")
+    if str(opt.get("type", "")).lower() not in ("adamw", "adam"):
+        raise DsConfigError(f"optimizer.type={opt.get('type')!r}: nshard's study rule is AdamW; use \"AdamW\"")
+    if "lr" not in opt.get("params", {}):
+        raise DsConfigError("optimizer.params.lr is missing: give a learning rate")
+
+
+def reducer_config(config: dict) -> ReducerConfig | None:
+    """The "nshard" section, parsed once into the ReducerConfig that the run passes on (None: DeepSpeed's
+    own all-reduce), and checked against the rest of the ds_config; each problem is a DsConfigError."""
+    if "nshard" not in config:
+        return None
+    from nshard.comm.config import ConfigError, parse_config
+
+    try:
+        parsed = parse_config(config["nshard"])
+    except ConfigError as exc:
+        raise DsConfigError(" ".join(str(exc).split())) from None
+    if config.get("zero_optimization", {}).get("stage", 0) == 3:
+        raise DsConfigError("an \"nshard\" section with zero_optimization.stage=3: nshard's reducers run "
+                            "at stages 0, 1 and 2; lower the stage or drop the section")
+    if config.get("fp16", {}).get("enabled"):
+        raise DsConfigError("fp16.enabled with an \"nshard\" section: nshard's reducers take unscaled "
+                            "gradients; use bf16 (\"bf16\": {\"enabled\": true}) or fp32")
+    if config.get("torch_autocast", {}).get("enabled"):
+        raise DsConfigError("torch_autocast.enabled with an \"nshard\" section is not supported "
+                            "(the ingest seam calls the module directly); use bf16 or fp32")
+    if config.get("managed_gradient_accumulation", True) is not True:
+        raise DsConfigError("managed_gradient_accumulation=false with an \"nshard\" section: the reducer "
+                            "averages each update's accumulated gradient, which needs DeepSpeed to manage "
+                            "accumulation; remove the key or set it to true")
+    return parsed
+
+
+def complete_ds_config(config: dict, plan: Plan, world_size: int) -> dict:
+    """Fill the batch keys (and a WarmupDecayLR's total_num_steps) from the plan; conflicting values are errors."""
+    from nshard.run.data import accumulation_steps
+
+    config = copy.deepcopy(config)
+    t = plan.train
+    gas = accumulation_steps(t.global_batch_docs, world_size, t.microbatch_docs)
+    derived = {"train_micro_batch_size_per_gpu": t.microbatch_docs, "gradient_accumulation_steps": gas,
+               "train_batch_size": t.microbatch_docs * gas * world_size}
+    for key in BATCH_KEYS:
+        given = config.get(key, "auto")
+        if given not in ("auto", derived[key]):
+            raise DsConfigError(f"ds_config {key}={given} conflicts with the plan (which gives {derived[key]} from "
+                                "train.global_batch_docs/microbatch_docs); remove it or set it to \"auto\"")
+        config[key] = derived[key]
+    sched = config.get("scheduler", {}).get("params", {})
+    if sched.get("total_num_steps", None) == "auto":
+        sched["total_num_steps"] = t.updates
+    if "nshard" in config and ingest_mode(config.get("zero_optimization", {}).get("stage", 0), _bf16(config)):
+        # DeepSpeed sees one micro-step per update in ingest mode (see nshard/seam/ingest.py IngestSeam).
+        config["gradient_accumulation_steps"] = 1
+        config["train_batch_size"] = t.microbatch_docs * world_size
+        zero = config.setdefault("zero_optimization", {})
+        for key in ("reduce_scatter", "overlap_comm"):
+            if zero.get(key, False):
+                raise DsConfigError(f"zero_optimization.{key}=true with an nshard reducer: set it to false "
+                                    "(the nshard reducer does the gradient reduction)")
+            zero[key] = False
+    config.pop("nshard", None)
+    return config
+
+
+def ingest_mode(stage: int, bf16: bool) -> bool:
+    """The one rule for where an nshard reducer sits: the ingest seam (nshard/seam/ingest.py) at ZeRO-1/2 or
+    bf16, in place of the stage-0 all-reduce otherwise. Applied to the ds_config before the engine
+    exists (complete_ds_config) and to the engine itself (install_reducer)."""
+    return stage in (1, 2) or bf16
+
+
+def _bf16(config: dict) -> bool:
+    return any(bool(config.get(key, {}).get("enabled")) for key in ("bf16", "bfloat16"))  # DeepSpeed takes both

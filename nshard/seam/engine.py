@@ -1,0 +1,155 @@
+"""Engine building: deepspeed.initialize with nshard's optimizer and patches, the process group, checkpoints,
+full parameters, and the seam that puts an nshard reducer in place of DeepSpeed's gradient all-reduce.
+The ds_config rules are nshard/seam/ds_config.py; every private touch point is nshard/seam/patches.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import torch
+
+from nshard.comm.config import ReducerConfig
+from nshard.seam import patches
+from nshard.seam.chunked_adamw import CHUNK_ELEMENTS, chunk_steps
+from nshard.seam.ds_config import ingest_mode
+
+
+def torch_adamw(params, config: dict) -> torch.optim.Optimizer:
+    """torch's AdamW from the ds_config optimizer block, with DeepSpeed's defaults (weight decay 0, not torch's 0.01)."""
+    p = config["optimizer"]["params"]
+    return torch.optim.AdamW(params, lr=p["lr"], betas=tuple(p.get("betas", (0.9, 0.999))),
+                             eps=p.get("eps", 1e-8), weight_decay=p.get("weight_decay", 0.0))
+
+
+def build_engine(model: torch.nn.Module, config: dict):
+    """deepspeed.initialize with torch's AdamW on CPU (no FusedAdam JIT build) and DeepSpeed's own elsewhere."""
+    import deepspeed
+
+    config = copy.deepcopy(config)
+    optimizer = None
+    if not torch.cuda.is_available():
+        optimizer = torch_adamw(model.parameters(), config)
+        # The same arithmetic in cache-sized pieces (nshard/seam/chunked_adamw.py); NSHARD_ADAMW_CHUNK sets the
+        # piece size in elements, 0 leaves torch's step as it is.
+        chunk = int(os.environ.get("NSHARD_ADAMW_CHUNK", CHUNK_ELEMENTS))
+        if chunk:
+            chunk_steps(optimizer, chunk)
+        config.pop("optimizer")
+        config.setdefault("zero_allow_untested_optimizer", True)
+    # Counting bytes needs the comms logger; leave a user's own setting alone.
+    config.setdefault("comms_logger", {"enabled": True, "verbose": False, "prof_all": True, "debug": False})
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                           model_parameters=None if optimizer else model.parameters())
+    patches.guard(engine)  # every private symbol below and in install_reducer, checked before any is touched
+    if zero_stage(engine) == 0 and not (engine.bfloat16_enabled() or engine.fp16_enabled()):
+        patches.keep_gradients_in_place(engine)
+    if patches.partitioned_optimizer(engine) and reference_switch("NSHARD_PARAMETER_GATHER", ("ring", "deepspeed")) == "ring":
+        patches.gather_parameters_in_place()
+    return engine
+
+
+def reference_switch(variable: str, choices: tuple[str, ...]) -> str:
+    """The environment's choice between nshard's fast path (choices[0], the default) and the reference path it
+    replaced bit for bit (kept so that tests compare the two in one run, on whatever CPU they run on)."""
+    value = os.environ.get(variable, choices[0])
+    if value not in choices:
+        raise ValueError(f"{variable}={value!r}: set it to one of {', '.join(choices)} (or unset it for {choices[0]!r})")
+    return value
+
+
+def build_cpu_comm_extension() -> None:
+    """Compile (or load) DeepSpeed's CPU shared-memory collective now; otherwise the first
+    init_distributed on a machine compiles it (~40 s) inside whichever run comes first."""
+    from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+
+    ShareMemCommBuilder().load(verbose=False)
+
+
+def init_distributed() -> None:
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    _unlink_shm_workspace()
+
+
+def _unlink_shm_workspace() -> None:
+    """Remove the name of DeepSpeed's CPU shared-memory all-reduce workspace (66 MB per rank).
+
+    deepspeed_shm_comm creates /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank> at
+    init and never unlinks it: every run on a machine leaked 132 MB of shared memory until the
+    machine ran out (measured: 15 GB after a day of test runs). Once every rank has mapped its
+    peers' buffers (by the barrier), the names can go; the mappings live on until exit.
+    """
+    import torch.distributed as dist
+
+    from nshard.seam.launch_env import shm_workspace
+
+    dist.barrier()
+    env = os.environ
+    shm_workspace(env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", ""), dist.get_rank()).unlink(missing_ok=True)
+
+
+def zero_stage(engine) -> int:
+    return engine.zero_optimization_stage()
+
+
+def full_parameters(engine):
+    """A context in which engine.module holds every full parameter (ZeRO-3 gathers them; other stages already do)."""
+    import contextlib
+
+    import deepspeed
+
+    if zero_stage(engine) == 3:
+        return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+    return contextlib.nullcontext()
+
+
+DS_CHECKPOINT_TAG = "deepspeed"
+"""DeepSpeed's checkpoint sits in <state dir>/deepspeed/ (nshard/run/state.py seals the directory around it)."""
+
+
+def save_checkpoint(engine, directory: Path) -> None:
+    """DeepSpeed's own checkpoint: module, optimizer (ZeRO partitions: one file per rank), scheduler, step
+    counters. A collective: every rank calls it."""
+    engine.save_checkpoint(str(directory), tag=DS_CHECKPOINT_TAG, save_latest=False)
+
+
+def load_checkpoint(engine, directory: Path) -> None:
+    path, _ = engine.load_checkpoint(str(directory), tag=DS_CHECKPOINT_TAG, load_module_strict=True,
+                                     load_optimizer_states=True, load_lr_scheduler_states=True)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed found no checkpoint in {directory}/{DS_CHECKPOINT_TAG}")
+
+
+def install_reducer(engine, config: ReducerConfig | None):
+    """The gradient reduction chosen by the parsed "nshard" section (None: DeepSpeed's own)."""
+    from nshard.seam.ingest import IngestSeam, ZeroPartitionWriter
+    from nshard.seam.reduction import DeepSpeedReduction, InPlaceSeam
+
+    if config is None:
+        return DeepSpeedReduction()
+    import functools
+
+    import deepspeed.comm as ds_comm
+
+    from nshard.comm import build_reducer
+
+    # Through deepspeed.comm under its own log name, so DeepSpeed's comms logger counts the
+    # reducer's traffic apart from DeepSpeed's own gradient collectives.
+    all_reduce = functools.partial(ds_comm.all_reduce, log_name=patches.REDUCER_LOG_NAME)
+    reducer = build_reducer(config, all_reduce=all_reduce)
+    patches.silence_deepspeed_reduction(engine)
+    ingest = ingest_mode(zero_stage(engine), engine.bfloat16_enabled())
+    if ingest:
+        # NSHARD_ZERO_INGEST=hooks hands ZeRO-1/2 the reduced gradient through DeepSpeed's own backward and
+        # gradient hooks (HandOver), the path the partition writer replaced bit for bit.
+        writer = None
+        if zero_stage(engine) in (1, 2) and reference_switch("NSHARD_ZERO_INGEST", ("writer", "hooks")) == "writer":
+            writer = ZeroPartitionWriter(engine.optimizer)
+        return IngestSeam(engine, reducer, config.reducer, partition_writer=writer,
+                          sum_every_microbatch_into_error=
+                          config.reducer == "powersgd" and config.microbatch_sums == "error")
+    return InPlaceSeam(engine, reducer, config.reducer)

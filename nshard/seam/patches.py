@@ -1,0 +1,269 @@
+"""Every place nshard reaches past DeepSpeed's public API, listed here and checked by one guard.
+
+DeepSpeed has no public hook for replacing its gradient reduction, for handing ZeRO a reduced gradient, or
+for its end-of-step all-gather. Each private attribute, module symbol and replacement nshard relies on is
+named in the lists below; `guard(engine)` checks every one of them (and the version they were verified on)
+when the engine is built, before any patch is applied, so an upgrade that moves one fails loudly there.
+No other module imports deepspeed.runtime or touches an engine or optimizer attribute not listed here
+(tests/test_layout.py checks it). Verified on deepspeed 0.19.8 (pyproject pins >=0.19.8,<0.20).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+
+import torch
+
+VERIFIED_VERSIONS = ((0, 19, 8), (0, 20, 0))  # [lowest, first unverified)
+REDUCER_LOG_NAME = "nshard_reducer"
+PARAMETER_GATHER_LOG_NAME = "nshard_parameter_gather"
+# deepspeed.comm ops that carry gradients (the rest, all_gather & co., carry parameters).
+GRAD_OPS = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "reduce", "all_reduce_coalesced")
+
+# The engine's public API as nshard uses it (listed so that a use outside it shows up in tests/test_layout.py).
+ENGINE_API = ("module", "optimizer", "device", "backward", "step", "train", "zero_optimization_stage",
+              "bfloat16_enabled", "fp16_enabled", "gradient_accumulation_steps", "save_checkpoint",
+              "load_checkpoint")
+# What every DeepSpeed optimizer wrapper shares with torch.optim.Optimizer and nshard reads.
+OPTIMIZER_API = ("param_groups",)
+# Private: the stage-0 all-reduce switch, and zero_grad, which nshard replaces at stage 0 in fp32.
+PRIVATE_ENGINE_ATTRS = ("enable_backward_allreduce", "zero_grad")
+# ZeRO-1/2's reduction, which an nshard reducer silences (allreduce_bucket's stand-in uses flatten).
+PRIVATE_ZERO_ATTRS = ("gradient_reduction_w_predivide", "allreduce_bucket", "reduce_scatter", "overlap_comm", "flatten")
+# ZeRO-1/2's owned gradient partition, which the ingest seam's ZeroPartitionWriter fills directly.
+PRIVATE_ZERO_PARTITION_ATTRS = ("params_in_partition", "partition_size", "real_dp_process_group", "get_param_id",
+                                "grad_start_offset", "grad_partition_insertion_offset", "averaged_gradients",
+                                "_build_compact_grad_partition_buffer")
+# Module-wide symbols: the all-gather that ends a partitioned step (replaced on gloo), the comms logger's dict.
+PRIVATE_MODULE_SYMBOLS = {"deepspeed.runtime.utils": ("all_gather_dp_groups",),
+                          "deepspeed.runtime.zero.stage_1_and_2": ("all_gather_dp_groups",),
+                          "deepspeed.runtime.bf16_optimizer": ("all_gather_dp_groups",),
+                          "deepspeed.comm": ("comms_logger", "isend", "all_reduce")}
+PRIVATE_COMMS_LOGGER_ATTRS = ("enabled", "prof_all", "comms_dict")
+# What optimizer_memory descends through: DeepSpeed's wrappers keep the torch optimizer at `.optimizer`.
+PRIVATE_WRAPPER_ATTRS = ("optimizer",)
+LISTED_ATTRS = frozenset(ENGINE_API + OPTIMIZER_API + PRIVATE_ENGINE_ATTRS + PRIVATE_ZERO_ATTRS
+                         + PRIVATE_ZERO_PARTITION_ATTRS + PRIVATE_WRAPPER_ATTRS)
+
+
+class DeepSpeedAPIMoved(RuntimeError):
+    """A DeepSpeed upgrade moved a private attribute nshard's reducer seam depends on."""
+
+
+# ---------------------------------------------------------------- the guard
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:3] if part.isdigit())
+
+
+def guard(engine) -> None:
+    """Check every listed symbol this engine's patches and readers rely on; raise DeepSpeedAPIMoved naming
+    the missing ones. Outside the verified versions a complete set is allowed, with one warning."""
+    import deepspeed
+
+    missing = [f"{name}.{attr}" for name, attrs in PRIVATE_MODULE_SYMBOLS.items()
+               for attr in attrs if not hasattr(importlib.import_module(name), attr)]
+    import deepspeed.comm as ds_comm
+
+    logger = getattr(ds_comm, "comms_logger", None)
+    missing += [f"deepspeed.comm.comms_logger.{a}" for a in PRIVATE_COMMS_LOGGER_ATTRS if not hasattr(logger, a)]
+    missing += [f"engine.{a}" for a in ENGINE_API + PRIVATE_ENGINE_ATTRS if not hasattr(engine, a)]
+    missing += [f"optimizer.{a}" for a in OPTIMIZER_API if not hasattr(engine.optimizer, a)]
+    if engine.zero_optimization_stage() in (1, 2):
+        missing += [f"optimizer.{a}" for a in PRIVATE_ZERO_ATTRS + PRIVATE_ZERO_PARTITION_ATTRS
+                    if not hasattr(engine.optimizer, a)]
+    lowest, beyond = VERIFIED_VERSIONS
+    if missing:
+        raise DeepSpeedAPIMoved(f"deepspeed {deepspeed.__version__} lacks {missing}, which nshard's reducer seam "
+                                "replaces (verified on 0.19.8); pin deepspeed>=0.19.8,<0.20 or port "
+                                "nshard/seam/patches.py")
+    if not lowest <= _version(deepspeed.__version__) < beyond:
+        print(f"nshard: warning: deepspeed {deepspeed.__version__} is outside the verified >=0.19.8,<0.20; every "
+              "private symbol nshard/seam/patches.py lists is present, but their behaviour is unverified",
+              file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- patches
+
+
+def keep_gradients_in_place(engine) -> None:
+    """DeepSpeed's stage-0 zero_grad sets .grad to None; keep the buffers and zero them, so every parameter
+    has a gradient (zero if unused) in every update and nothing is reallocated."""
+    engine.zero_grad = lambda: _zero_grads_in_place(engine.module)
+
+
+def _zero_grads_in_place(module: torch.nn.Module) -> None:
+    for p in module.parameters():
+        if p.grad is not None:
+            p.grad.zero_()
+
+
+def gather_parameters_in_place() -> None:
+    """On gloo, DeepSpeed's partitioned optimizers (ZeRO-1/2, BF16_Optimizer) end each step with an
+    all-gather of the updated weights through nshard/seam/param_gather.py's ring of isend/irecv straight
+    into the flat weights, instead of torch's all_gather_into_tensor, which gloo stages whole (one more copy
+    of the weights per rank at the end of every step) and runs ~3x slower. The same bytes land in the same
+    places, so the model is unchanged bit for bit. Sends are logged (PARAMETER_GATHER_LOG_NAME), so the
+    receipts count them. Where the all-gather is native (NCCL), nothing changes. The switch is process-wide
+    (one engine per process); parameter_all_gather reports it.
+    """
+    import torch.distributed as dist
+    from deepspeed.runtime import bf16_optimizer
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    if dist.get_backend() == "gloo":
+        for module in (stage_1_and_2, bf16_optimizer):
+            module.all_gather_dp_groups = _all_gather_dp_groups_in_place
+
+
+def _all_gather_dp_groups_in_place(groups_flat, partitioned_param_groups, dp_process_group, start_alignment_factor,
+                                   allgather_bucket_size):
+    """deepspeed.runtime.utils.all_gather_dp_groups's signature and effect; the flat buffers are filled through
+    their partition views (the last two arguments only size DeepSpeed's own pieces)."""
+    import deepspeed.comm as ds_comm
+    import torch.distributed as dist
+
+    from nshard.seam.param_gather import ring_all_gather_
+
+    send = functools.partial(ds_comm.isend, log_name=PARAMETER_GATHER_LOG_NAME)
+    for group_id, partitions in enumerate(partitioned_param_groups):
+        ring_all_gather_(partitions, dp_process_group[group_id], isend=send, irecv=dist.irecv)
+
+
+def parameter_all_gather(engine) -> dict | None:
+    """How the partitioned optimizer gathers the updated weights in this process, for the receipt (None: no
+    partitioned optimizer)."""
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    if not partitioned_optimizer(engine):
+        return None
+    if stage_1_and_2.all_gather_dp_groups is _all_gather_dp_groups_in_place:
+        return {"call": "isend/irecv ring into the flat weights", "log_name": PARAMETER_GATHER_LOG_NAME}
+    return {"call": "deepspeed all_gather_dp_groups"}
+
+
+def partitioned_optimizer(engine) -> bool:
+    """Whether DeepSpeed steps a partitioned optimizer here: ZeRO-1/2, or BF16_Optimizer at stage 0."""
+    return engine.zero_optimization_stage() in (1, 2) or engine.bfloat16_enabled()
+
+
+def silence_deepspeed_reduction(engine) -> None:
+    """An nshard reducer reduces the gradients: stage 0 switches DeepSpeed's all-reduce off; ZeRO-1/2 (where
+    switching the flag off breaks the norm: KeyError) take their own partition of a gradient every rank
+    already holds, sending nothing."""
+    if engine.zero_optimization_stage() in (1, 2):
+        _silence_zero_reduction(engine.optimizer)
+    else:
+        engine.enable_backward_allreduce = False
+
+
+def _keep_local_bucket(tensor, communication_data_type):
+    """Stands in for ZeRO's gradient_reduction_w_predivide: the bucket already holds the reduced gradient."""
+    return tensor if tensor.dtype == communication_data_type else tensor.to(communication_data_type)
+
+
+def _silence_zero_reduction(optimizer) -> None:
+    from nshard.seam.ds_config import DsConfigError
+
+    if optimizer.reduce_scatter or optimizer.overlap_comm:
+        raise DsConfigError("an nshard reducer under ZeRO-1/2 needs zero_optimization.reduce_scatter=false and "
+                            "overlap_comm=false (DeepSpeed's reduce-scatter path does its own reduction)")
+    optimizer.gradient_reduction_w_predivide = _keep_local_bucket
+    optimizer.allreduce_bucket = lambda bucket, communication_data_type, *args, **kwargs: _keep_local_bucket(
+        optimizer.flatten(bucket), communication_data_type)
+
+
+# ---------------------------------------------------------------- ZeRO-1/2's gradient partition
+
+
+def zero_owned_slices(optimizer) -> dict[int, tuple[int, int, int, int]]:
+    """id(param) -> (group, source, destination, count): the part of each parameter's gradient this rank owns,
+    at the offsets ZeRO computed at construction (what its own reduction epilogue copies)."""
+    import deepspeed.comm as ds_comm
+
+    slices: dict[int, tuple[int, int, int, int]] = {}
+    for group, params in enumerate(optimizer.params_in_partition):
+        me = ds_comm.get_rank(group=optimizer.real_dp_process_group[group])
+        size = int(optimizer.partition_size[group])
+        for param in params:
+            pid = optimizer.get_param_id(param)
+            source = int(optimizer.grad_start_offset[group][me][pid])
+            destination = int(optimizer.grad_partition_insertion_offset[group][me][pid])
+            count = min(param.numel() - source, size - destination)
+            if count > 0:
+                slices[id(param)] = (group, source, destination, count)
+    return slices
+
+
+def fresh_zero_partitions(optimizer) -> tuple[list, list[torch.Tensor]]:
+    """Fresh zeroed compact partitions, one per group (ZeRO's own buffer, as its fp32 epilogue builds it), and
+    their flat tensors."""
+    buffers = [optimizer._build_compact_grad_partition_buffer(group)
+               for group in range(len(optimizer.params_in_partition))]
+    return buffers, [buffer.flat_partition for buffer in buffers]
+
+
+def hand_zero_partitions(optimizer, buffers: list) -> None:
+    """What ZeRO's step() reads: averaged_gradients[i] (it releases them, so they do not outlive the update)."""
+    for group, buffer in enumerate(buffers):
+        optimizer.averaged_gradients[group] = buffer
+
+
+# ---------------------------------------------------------------- readers
+
+
+def optimizer_memory(engine) -> dict[str, int]:
+    """This rank's optimizer memory, measured on the innermost torch optimizer (under DeepSpeed's ZeRO,
+    bf16 and fp16 wrappers, which keep it at `.optimizer`).
+
+    optimizer_state_bytes: every tensor in its `state` (AdamW's exp_avg, exp_avg_sq, step); under
+    ZeRO-1/2 that is this rank's partition. master_param_bytes: the tensors it steps that share no
+    storage with the module's parameters (ZeRO's single_partition_of_fp32_groups, a bf16/fp16
+    optimizer's fp32 masters); 0 when it steps the module's own fp32 parameters (stage 0).
+    """
+    inner = engine.optimizer
+    for _ in range(4):  # a wrapper of a wrapper at most; bounded so a changed layout fails, not loops
+        if isinstance(inner, torch.optim.Optimizer):
+            break
+        inner = getattr(inner, "optimizer", None)
+    else:
+        inner = None
+    if inner is None:
+        raise DeepSpeedAPIMoved(f"no torch optimizer under {type(engine.optimizer).__name__}.optimizer; "
+                                "port nshard/seam/patches.py:optimizer_memory")
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    state = sum(nbytes(v) for s in inner.state.values() for v in s.values() if torch.is_tensor(v))
+    module_storage = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
+    masters = sum(nbytes(p) for g in inner.param_groups for p in g["params"]
+                  if p.untyped_storage().data_ptr() not in module_storage)
+    return {"optimizer_state_bytes": state, "master_param_bytes": masters}
+
+
+def comms_logged() -> bool:
+    """Whether DeepSpeed's comms logger counted this run's collectives (a ds_config may switch it off)."""
+    import deepspeed.comm as dist
+
+    return bool(dist.comms_logger.enabled and dist.comms_logger.prof_all)
+
+
+class CollectiveCounter:
+    """Bytes this rank handed to deepspeed.comm collectives since the last call, split gradient/parameter."""
+
+    def __init__(self):
+        self._seen: dict[str, int] = {}
+
+    def take(self) -> dict[str, int]:
+        import deepspeed.comm as dist
+
+        totals: dict[str, int] = {}
+        for name, by_size in dist.comms_logger.comms_dict.items():
+            totals[name] = sum(size * rec[0] for size, rec in by_size.items())
+        delta = {k: v - self._seen.get(k, 0) for k, v in totals.items() if v != self._seen.get(k, 0)}
+        self._seen = totals
+        grad = sum(v for k, v in delta.items() if k in GRAD_OPS)
+        reducer = delta.get(REDUCER_LOG_NAME, 0)
+        return {"deepspeed_grad_bytes": grad, "logged_reducer_bytes": reducer,
+                "other_bytes": sum(delta.values()) - grad - reducer}

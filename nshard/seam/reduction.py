@@ -1,0 +1,125 @@
+"""Where one update's gradients are reduced: the Seam protocol, DeepSpeed's own all-reduce, and the stage-0 seam
+that puts an nshard reducer in its place (the ingest seam for ZeRO-1/2 and bf16 is nshard/seam/ingest.py).
+
+Each seam runs a microbatch's forward and backward and the optimizer step; nshard/seam/engine.py picks
+the seam, and nshard/seam/patches.py prepares DeepSpeed for it (every private attribute lives there).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from nshard.comm.ledger import ByteLedger
+from nshard.comm.reducer import Reducer
+
+
+class Seam(Protocol):
+    """What the training loop calls on a seam, once per microbatch and once per update."""
+
+    name: str
+    """The reduction, for receipts: "deepspeed", or the nshard reducer's name."""
+    sums: str
+    """Where the last update's microbatch gradients were summed (metrics.jsonl's microbatch_sums)."""
+
+    def forward(self, engine, **inputs) -> Any:
+        """One microbatch's forward (the engine, or its module where DeepSpeed's hooks must not fire)."""
+        ...
+
+    def backward_and_step(self, engine, loss: torch.Tensor, last: bool) -> None:
+        """Backward of one microbatch; after the `last` one of an update, reduce and step the optimizer."""
+        ...
+
+    def last_update_compressed(self) -> bool: ...
+
+    def last_update_bytes(self) -> int:
+        """Bytes the nshard reducer sent in the last update (0 under DeepSpeed's own reduction)."""
+        ...
+
+    @property
+    def ledger(self) -> ByteLedger | None:
+        """The nshard reducer's byte ledger; None under DeepSpeed's own reduction."""
+        ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class DeepSpeedReduction:
+    """DeepSpeed's own gradient all-reduce; its bytes come from DeepSpeed's comms logger."""
+
+    name = "deepspeed"
+    sums = "deepspeed"  # where an update's microbatch gradients are summed
+
+    def forward(self, engine, **inputs):
+        return engine(**inputs)
+
+    def backward_and_step(self, engine, loss, last: bool) -> None:
+        engine.backward(loss, scale_wrt_gas=False)
+        engine.step()  # DeepSpeed steps the optimizer only at its accumulation boundary
+
+    def last_update_compressed(self) -> bool:
+        return False
+
+    def last_update_bytes(self) -> int:
+        return 0
+
+    @property
+    def ledger(self) -> None:
+        return None  # DeepSpeed's comms logger counts its bytes (nshard/seam/patches.py CollectiveCounter)
+
+    def state_dict(self) -> dict:
+        return {}  # DeepSpeed's own reduction keeps nothing between updates
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class ReducerSeam:
+    """Shared by the nshard seams: the reducer, the trained parameters, the ledger's last record."""
+
+    def __init__(self, engine, reducer: Reducer, name: str):
+        self.reducer, self.name = reducer, name
+        self.params = {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
+        reducer.register({n: tuple(p.shape) for n, p in self.params.items()})
+        # What the optimizer receives: the parameter's dtype (bf16 under bf16, though reduced in fp32).
+        reducer.deliver_as({n: p.dtype for n, p in self.params.items()})
+
+    def last_update_compressed(self) -> bool:
+        return self.reducer.ledger.records[-1]["compressed"]
+
+    def last_update_bytes(self) -> int:
+        return sum(self.reducer.ledger.records[-1]["bytes"].values())
+
+    @property
+    def ledger(self) -> ByteLedger:
+        return self.reducer.ledger
+
+    def state_dict(self) -> dict:
+        """The reducer's state (between updates the seams' own buffers hold zeros: nothing else to keep)."""
+        return {"reducer": self.reducer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.reducer.load_state_dict(state["reducer"])
+
+
+class InPlaceSeam(ReducerSeam):
+    """Stage 0, fp32: DeepSpeed's all-reduce is switched off (enable_backward_allreduce), microbatch
+    gradients accumulate in .grad through engine.backward, and after the last one the reducer
+    averages .grad in place before engine.step()."""
+
+    sums = ".grad"
+
+    def forward(self, engine, **inputs):
+        return engine(**inputs)
+
+    def backward_and_step(self, engine, loss, last: bool) -> None:
+        engine.backward(loss, scale_wrt_gas=False)
+        if last:
+            for p in self.params.values():
+                if p.grad is None:  # every parameter takes part in every update, with a zero gradient if unused
+                    p.grad = torch.zeros_like(p)
+            self.reducer.reduce({n: p.grad for n, p in self.params.items()})
+        engine.step()

@@ -1,0 +1,1 @@
+"""The study: the runner (arms, commitment, scoring, validation, analysis), evaluation and validation."""
