@@ -51,6 +51,9 @@ def validate_ds_config(config: dict) -> None:
         raise DsConfigError(f"optimizer.type={opt.get('type')!r}: nshard's study rule is AdamW; use \"AdamW\"")
     if "lr" not in opt.get("params", {}):
         raise DsConfigError("optimizer.params.lr is missing: give a learning rate")
+    if not isinstance(opt["params"].get("torch_adam", False), bool):
+        raise DsConfigError(f"optimizer.params.torch_adam={opt['params']['torch_adam']!r}: use true (torch's AdamW, "
+                            "the shipped configs) or false (DeepSpeed's FusedAdam on CUDA, see docs/gpu.md)")
 
 
 def reducer_config(config: dict) -> ReducerConfig | None:
@@ -119,13 +122,39 @@ def torch_adamw(params, config: dict) -> torch.optim.Optimizer:
                              eps=p.get("eps", 1e-8), weight_decay=p.get("weight_decay", 0.0))
 
 
+TORCH_ADAMW = "torch AdamW"
+FUSED_ADAM = "DeepSpeed FusedAdam"
+
+
+def optimizer_path(config: dict, cuda: bool) -> str:
+    """Which AdamW steps the run: torch's (built by nshard, chunked on CPU) on the CPU and wherever the
+    ds_config says optimizer.params.torch_adam=true (the shipped configs), so a GPU steps the optimizer the
+    CPU tests check; DeepSpeed's FusedAdam (compiled with nvcc at first use) only on CUDA by opting out."""
+    return TORCH_ADAMW if not cuda or config["optimizer"].get("params", {}).get("torch_adam", False) else FUSED_ADAM
+
+
+def check_optimizer_path(config: dict, cuda: bool) -> None:
+    """Refuse the optimizer path nshard cannot vouch for: FusedAdam under bf16 at stage 0, where DeepSpeed wraps
+    it in its FP16_Optimizer (bf16 mode) instead of the FP16_UnfusedOptimizer that torch's AdamW gets."""
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    if optimizer_path(config, cuda) == FUSED_ADAM and _bf16(config) and stage == 0:
+        raise DsConfigError("optimizer.params.torch_adam=false with bf16 at zero_optimization.stage=0: DeepSpeed "
+                            "would step FusedAdam inside its FP16_Optimizer, which no nshard test covers; set "
+                            "optimizer.params.torch_adam to true (the shipped default) or use stage 1 or 2")
+
+
+def optimizer_classes(engine) -> dict[str, str]:
+    """For the receipt: the torch optimizer DeepSpeed steps and the wrapper it sits in (the same class when none)."""
+    return {"basic": type(engine.basic_optimizer).__name__, "wrapper": type(engine.optimizer).__name__}
+
+
 def build_engine(model: torch.nn.Module, config: dict):
-    """deepspeed.initialize with torch's AdamW on CPU (no FusedAdam JIT build) and DeepSpeed's own elsewhere."""
+    """deepspeed.initialize with torch's AdamW (no FusedAdam JIT build) unless a CUDA run opted out (optimizer_path)."""
     import deepspeed
 
     config = copy.deepcopy(config)
     optimizer = None
-    if not torch.cuda.is_available():
+    if optimizer_path(config, torch.cuda.is_available()) == TORCH_ADAMW:
         optimizer = torch_adamw(model.parameters(), config)
         # The same arithmetic in cache-sized pieces (nshard/chunked_adamw.py); NSHARD_ADAMW_CHUNK sets the
         # piece size in elements, 0 leaves torch's step as it is.
@@ -157,8 +186,11 @@ def reference_switch(variable: str, choices: tuple[str, ...]) -> str:
 
 
 def partitioned_optimizer(engine) -> bool:
-    """Whether DeepSpeed steps a partitioned optimizer here: ZeRO-1/2, or BF16_Optimizer at stage 0."""
-    return zero_stage(engine) in (1, 2) or engine.bfloat16_enabled()
+    """Whether DeepSpeed steps a partitioned optimizer here: ZeRO-1/2, or a BF16_Optimizer. (bf16 at stage 0 with
+    torch's AdamW gets FP16_UnfusedOptimizer in bf16 mode, which keeps whole fp32 masters and gathers nothing.)"""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    return zero_stage(engine) in (1, 2) or isinstance(engine.optimizer, BF16_Optimizer)
 
 
 def gather_parameters_in_place() -> None:
@@ -224,7 +256,10 @@ def build_cpu_comm_extension() -> None:
 def init_distributed() -> None:
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    from nshard.device import bind_local_gpu, dist_backend
+
+    bind_local_gpu()
+    deepspeed.init_distributed(dist_backend=dist_backend(torch.cuda.is_available()))
     _unlink_shm_workspace()
 
 
