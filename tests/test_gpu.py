@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from runs import REPO, ds_config
+from spawn import run_ranks
 
 from nshard import device, engine, netcount, replay
 from nshard.receipts import Receipt
@@ -158,8 +159,6 @@ def engine_classes(rank: int, world: int) -> dict:
 def test_bf16_at_stage_0_is_not_a_partitioned_optimizer():
     """With torch's AdamW, DeepSpeed 0.19.8 wraps bf16 at stage 0 in FP16_UnfusedOptimizer (whole fp32 masters, no
     all-gather), not BF16_Optimizer: receipts, the gather swap and the memory model must not assume a partition."""
-    from spawn import run_ranks
-
     seen = run_ranks(engine_classes, world_size=1, timeout_s=300)[0]
     assert {v["basic"] for v in seen.values()} == {"AdamW"}
     assert seen["bf16=False stage=0"] == {"basic": "AdamW", "wrapper": "AdamW", "partitioned": False}
@@ -255,3 +254,35 @@ def test_bf16_at_stage_0_trains_through_fp16_unfused_optimizer(runs_root):
     assert {t.dtype for t in trained.values()} == {torch.bfloat16}
     moved = [name for name in seed if not torch.equal(trained[name].float(), seed[name].to(torch.bfloat16).float())]
     assert len(moved) > len(seed) // 2
+
+
+class _Run:
+    def __init__(self, rank: int):
+        self.rank, self.is_main = rank, rank == 0
+
+
+def wait_for_slow_main_rank(rank: int, world: int) -> dict:
+    """Rank 0 works 3 s; rank 1 waits once on a group with a 1 s timeout, then through on_main_rank_long."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from nshard.ranks import on_main_rank, on_main_rank_long
+
+    run = _Run(rank)
+    short = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=1))
+    try:
+        on_main_rank(run, time.sleep, 3, _wait_group=short)
+        short_outcome = "returned"
+    except Exception as exc:  # noqa: BLE001 -- the contrast: a short timeout gives up on a slow rank 0
+        short_outcome = type(exc).__name__
+    dist.barrier()
+    result = on_main_rank_long(run, lambda: (time.sleep(3), "answers")[1])
+    return {"short": short_outcome, "long": result if rank == 0 else "waited"}
+
+
+def test_other_ranks_outwait_a_slow_main_rank_on_the_long_group():
+    seen = run_ranks(wait_for_slow_main_rank, world_size=2, timeout_s=120)
+    assert seen[1]["short"] != "returned"  # a 1 s group does not outwait 3 s of work
+    assert seen[0]["long"] == "answers" and seen[1]["long"] == "waited"
