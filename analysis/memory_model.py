@@ -18,8 +18,9 @@ L the largest tensor, w bytes per module weight):
   their error memory (one microbatch per update, or microbatch_sums "error").
 - error: PowerSGD's fp32 error memory, one (n, m) matrix per compressed parameter (4C).
 - pq: the flat P and Q buffers, r(n+m) floats per compressed matrix.
-- optimizer: AdamW exp_avg + exp_avg_sq (8P; 8P/N under ZeRO-1/2 and under bf16's BF16_Optimizer).
-- master: fp32 master weights (ZeRO's single_partition_of_fp32_groups, 4P/N; 0 at stage 0 fp32).
+- optimizer: AdamW exp_avg + exp_avg_sq (8P; 8P/N under ZeRO-1/2).
+- master: fp32 master weights (ZeRO's single_partition_of_fp32_groups, 4P/N; 0 at stage 0 fp32; 4P at stage 0
+  bf16, where torch's AdamW gets DeepSpeed's FP16_UnfusedOptimizer in bf16 mode: whole fp32 masters).
 - comm: flat buffers that exist only while reducing (stage-0 bucket 4*min(P, 5e8); a dense flat
   all-reduce of the reducer's remainder, 4D; 4P when a dense warm-up update runs with state allocated).
 - transient: the ingest seam's one gradient at a time (a parameter hook sums each into its accumulator as
@@ -133,10 +134,12 @@ def phases(shapes: Shapes, c: Config) -> dict[str, dict[str, float]]:
     D = P - C
     w = 2 if c.bf16 else 4  # bytes of a module weight / gradient element
     zero = c.stage in (1, 2)
-    pooled = zero or c.bf16  # bf16 at stage 0 runs DeepSpeed's BF16_Optimizer, which partitions like ZeRO-1
+    # bf16 at stage 0 with torch's AdamW runs DeepSpeed's FP16_UnfusedOptimizer (bf16 mode): nothing partitioned,
+    # whole fp32 masters (engine.optimizer_classes in the receipts says which wrapper ran).
+    pooled = zero
     base = {"params": w * P, "optimizer": 8 * P / (N if pooled else 1),
-            "master": 4 * P / N if pooled else 0, "error": 4 * C, "pq": 4 * PQ}
-    ingest = c.reducer == "powersgd" and pooled
+            "master": 4 * P / N if pooled else (4 * P if c.bf16 else 0), "error": 4 * C, "pq": 4 * PQ}
+    ingest = c.reducer == "powersgd" and (zero or c.bf16)  # engine.ingest_mode
     if ingest:
         base["accumulators"] = 4 * D if c.sums_in_error else 4 * P
     act = activation_bytes(shapes, c.tokens_per_microbatch, c.bf16)
@@ -155,8 +158,8 @@ def phases(shapes: Shapes, c: Config) -> dict[str, dict[str, float]]:
         # The bucket is gone by the step at both stages (one micro-step per update): a stage-1 term for it
         # over-predicted ZeRO-1 by 10-14% on the 1.7B shapes.
         grads_step = {"grads": owned}
-    elif c.bf16:  # BF16_Optimizer: a full fp32 gradient accumulation buffer, bf16 .grad transient
-        step_temps, staged = 8 * min(P / N, ADAMW_CHUNK_ELEMENTS), None  # None: no all-gather phase
+    elif c.bf16:  # FP16_UnfusedOptimizer: whole fp32 gradients for the masters, bf16 .grad transient
+        step_temps, staged = 8 * min(L, ADAMW_CHUNK_ELEMENTS), None  # None: no all-gather phase
         grads_backward = {"grads": 4 * P + w * L}
         grads_step = {"grads": 4 * P}
     else:
@@ -294,19 +297,22 @@ def arm_config(probe: dict, run_dir: Path, receipt: dict) -> Config:
 
 
 def measured_rows(directory: Path) -> list[dict]:
-    """One row per probed arm: prediction, measured peak RSS (max over ranks) and the receipts' own parts."""
+    """One row per probed arm: prediction, measured peak (max over ranks: host RSS, or GPU allocated on a GPU run;
+    measured_bytes) and the receipts' own parts."""
     rows = []
     for probe_path in sorted(Path(directory).glob("*/*/probe.json")):
         probe, run_dir = json.loads(probe_path.read_text()), probe_path.parent
         if probe["arm"] == "base" or probe["outcome"] != "complete":
             continue
         base_path = run_dir.parent / "base" / "probe.json"
-        baseline = measured_peak(base_path.parent) if base_path.is_file() else DEFAULT_BASELINE_BYTES
-        shapes = model_shapes(run_dir / "model")
         receipts = [json.loads(p.read_text()) for p in sorted((run_dir / "receipts").glob("rank-*.json"))]
+        # A GPU holds nothing of an idle rank's python, torch and DeepSpeed: no baseline without a measured one.
+        gpu = measured_bytes(receipts[0]) != receipts[0]["peak_rss_bytes"]
+        baseline = measured_peak(base_path.parent) if base_path.is_file() else 0 if gpu else DEFAULT_BASELINE_BYTES
+        shapes = model_shapes(run_dir / "model")
         config = arm_config(probe, run_dir, receipts[0])
         pred = predict(shapes, config, baseline)
-        measured = max(r["peak_rss_bytes"] for r in receipts)
+        measured = max(measured_bytes(r) for r in receipts)
         rows.append({**pred, "model": probe["model"], "measured_bytes": measured,
                      "measured_optimizer_state_bytes": receipts[0].get("optimizer_state_bytes"),
                      "measured_master_param_bytes": receipts[0].get("master_param_bytes"),
@@ -316,7 +322,15 @@ def measured_rows(directory: Path) -> list[dict]:
 
 
 def measured_peak(run_dir: Path) -> float:
-    return max(json.loads(p.read_text())["peak_rss_bytes"] for p in (run_dir / "receipts").glob("rank-*.json"))
+    return max(measured_bytes(json.loads(p.read_text())) for p in (run_dir / "receipts").glob("rank-*.json"))
+
+
+def measured_bytes(receipt: dict) -> float:
+    """What the prediction is set against: on a GPU run the peak GPU memory allocated (tensors, as the parts
+    count them; the receipt keeps the reserved figure beside it), else the peak resident set of the host."""
+    if str(receipt.get("device", "cpu")).startswith("cuda") and receipt.get("peak_allocated_bytes") is not None:
+        return receipt["peak_allocated_bytes"]
+    return receipt["peak_rss_bytes"]
 
 
 # ---------------------------------------------------------------- tables

@@ -21,7 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-from nshard.analysis.memory_model import DEFAULT_BASELINE_BYTES, Config, capacity, smollm2_1_7b  # noqa: E402
+from nshard.analysis.memory_model import DEFAULT_BASELINE_BYTES, Config, capacity, measured_bytes, smollm2_1_7b  # noqa: E402
 from launch.memory_probe import arm_ds_config, build_1_7b_shaped, parse_arm, run_capped, write_plan  # noqa: E402
 
 DEFAULT_CONFIGS = ("s0-dense-1r", "s2-dense", "s2-powersgd", "s1-dense", "s1-powersgd")
@@ -38,6 +38,9 @@ def attempt(name: str, spec: str, label: str, cap_bytes: int, out: Path, timeout
     if result["outcome"] == "complete":
         receipts = [json.loads(p.read_text()) for p in sorted((run_dir / "receipts").glob("rank-*.json"))]
         result["peak_rss_bytes"] = [r["peak_rss_bytes"] for r in receipts]
+        # What the memory model's prediction is set against: the GPU's allocated peak on a GPU run, else RSS.
+        result["peak_measured_bytes"] = [measured_bytes(r) for r in receipts]
+        result["peak_measured"] = "host RSS" if result["peak_measured_bytes"] == result["peak_rss_bytes"] else "GPU allocated"
         per_update = [(b, c) for r in receipts for b, c in zip(r["update_grad_bytes"], r["update_compressed"])]
         result["bytes_per_compressed_update"] = _median([b for b, c in per_update if c])
         result["bytes_per_dense_update"] = _median([b for b, c in per_update if not c])
@@ -87,9 +90,16 @@ def gib(n) -> str:
     return "n/a" if n is None else f"{n / 2**30:.2f}"
 
 
+def peak_cell(run: dict) -> str:
+    """Each rank's measured peak; marked when it is the GPU's allocated figure rather than host RSS."""
+    peaks = run.get("peak_measured_bytes", run.get("peak_rss_bytes", []))
+    mark = " (GPU allocated)" if run.get("peak_measured") == "GPU allocated" else ""
+    return (" / ".join(gib(b) for b in peaks) + mark) if peaks else "n/a"
+
+
 def render(rows: list[dict]) -> str:
     head = ["config", "cap / rank (GiB)", "depth (layers)", "parameters (M)", "predicted depth",
-            "first OOM depth", "peak RSS / rank (GiB)", "bytes / compressed update (MiB)",
+            "first OOM depth", "peak / rank (GiB; host RSS unless marked)", "bytes / compressed update (MiB)",
             "bytes / dense update (MiB)", "parameter all-gather / update (MiB)", "vs one rank at stage 0",
             "other outcomes"]
     # Like with like: fp32 rows against one fp32 rank at stage 0, bf16 rows against one bf16 rank.
@@ -103,7 +113,7 @@ def render(rows: list[dict]) -> str:
         ratio = f"{r['params'] / one:.2f}x" if one else "n/a"
         lines.append("| " + " | ".join([
             r["config"], gib(r["cap_bytes"]), str(r["layers"]), f"{r['params'] / 1e6:.0f}", str(r["predicted_layers"]),
-            str(r["first_oom_layers"]), " / ".join(gib(b) for b in run.get("peak_rss_bytes", [])) or "n/a",
+            str(r["first_oom_layers"]), peak_cell(run),
             mib(run.get("bytes_per_compressed_update")), mib(run.get("bytes_per_dense_update")),
             mib(run.get("parameter_bytes_per_update")), ratio,
             json.dumps(r["errors"]) if r["errors"] else ""]) + " |")

@@ -11,22 +11,30 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from devices import pin_to_cpu
 from spawn import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
 
 
-def run_env(extra: dict | None = None) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+def run_env(extra: dict | None = None, cuda: bool = False) -> dict:
+    """The environment of a launched run: pinned to the CPU (GPUs hidden, gloo), or with cuda=True on the GPUs."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if cuda:
+        env["DS_ACCELERATOR"] = "cuda"
+    else:
+        pin_to_cpu(env)
     env.update(extra or {})
     return env
 
 
 def launch(out: Path, ds_config, world: int = 2, plan: str | Path = REPO / "launch/plans/tiny.toml",
-           extra_args=(), check=True, timeout=600, mpi=False, env: dict | None = None) -> subprocess.CompletedProcess:
+           extra_args=(), check=True, timeout=600, mpi=False, env: dict | None = None,
+           cuda: bool = False) -> subprocess.CompletedProcess:
     """deepspeed --hostfile ... nshard/train.py with a ds_config path or dict; world 1 uses --num_gpus 1;
-    mpi=True goes through DeepSpeed's openmpi launcher (mpirun) instead of its local one; env adds variables."""
+    mpi=True goes through DeepSpeed's openmpi launcher (mpirun) instead of its local one; env adds variables;
+    cuda=True leaves the GPUs visible (one rank per GPU: the CUDA tests launch world 1)."""
     if isinstance(ds_config, dict):
         path = out.parent / f"{out.name}-ds_config.json"
         path.write_text(json.dumps(ds_config))
@@ -40,7 +48,7 @@ def launch(out: Path, ds_config, world: int = 2, plan: str | Path = REPO / "laun
                  "--allow-run-as-root --mca btl_tcp_if_include lo -x OMP_NUM_THREADS -x NSHARD_CACHE -x PATH"]
     cmd = [DEEPSPEED, *where, "--master_port", str(free_port()), str(REPO / "nshard/train.py"),
            "--ds_config", str(ds_config), "--plan", str(plan), "--out", str(out), *extra_args]
-    proc = subprocess.run(cmd, cwd=REPO, env=run_env(env), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=REPO, env=run_env(env, cuda), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"run failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc

@@ -12,7 +12,7 @@ import traceback
 from nshard.seam.launch_env import free_port  # noqa: F401  (tests import it from here)
 
 
-def _child(fn, rank, world_size, port, args, results):
+def _child(fn, rank, world_size, port, args, results, backend="gloo"):
     # Two ranks on two cores: OpenMP spin-waiting otherwise makes collectives 50-200x slower.
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
@@ -20,7 +20,9 @@ def _child(fn, rank, world_size, port, args, results):
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         # Pickled to bytes here so tensors travel by value, not through shared-memory handles.
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
         dist.barrier()
@@ -29,12 +31,14 @@ def _child(fn, rank, world_size, port, args, results):
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(fn, world_size: int = 2, args: tuple = (), timeout_s: float = 120.0) -> list:
-    """fn(rank, world_size, *args) in `world_size` spawned processes; returns results by rank."""
+def run_ranks(fn, world_size: int = 2, args: tuple = (), timeout_s: float = 120.0, backend: str = "gloo") -> list:
+    """fn(rank, world_size, *args) in `world_size` spawned processes; returns results by rank. backend "nccl"
+    puts rank r on GPU r (the CUDA tests)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results)) for r in range(world_size)]
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, backend))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     by_rank, deadline = {}, time.monotonic() + timeout_s

@@ -1,5 +1,5 @@
-"""Where a rank ran and what crossed its link: the kernel's transmit counter of the interface gloo
-uses, set beside the bytes the rank handed to collectives (DeepSpeed's comms logger, the reducer's ledger)."""
+"""Where a rank ran and what crossed its link: the kernel's transmit counter of the interface gloo (or NCCL's
+socket transport) uses, set beside the bytes the rank handed to collectives (DeepSpeed's comms logger, the reducer's ledger)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,32 @@ TOLERANCE = 0.05
 and acknowledgements measured 0.1-5% of the payload on the emulated link (FACTS.md)."""
 
 
-def link_interface() -> str | None:
-    """The interface gloo was told to use (GLOO_SOCKET_IFNAME, its first name if a list); None when unset,
-    as on one machine, where the traffic goes through loopback or shared memory."""
-    return os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0] or None
+IFNAME_VARIABLES = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
+
+
+def link_interface(backend: str = "gloo") -> str | None:
+    """The interface the backend was told to use (GLOO_SOCKET_IFNAME, or NCCL_SOCKET_IFNAME under NCCL: its first
+    name if a list, without NCCL's exact-match "="); None when unset, as on one machine, where the traffic goes
+    through loopback or shared memory, or when NCCL's variable excludes interfaces ("^...") instead."""
+    first = os.environ.get(IFNAME_VARIABLES.get(backend, "GLOO_SOCKET_IFNAME"), "").split(",")[0].strip()
+    return None if first.startswith("^") else first.lstrip("=") or None
+
+
+INFINIBAND = Path("/sys/class/infiniband")
+
+
+def not_countable(backend: str, infiniband: Path = INFINIBAND) -> str | None:
+    """Why the kernel's interface counter cannot count this rank's collectives (None: it can, given an interface)."""
+    if backend != "nccl":
+        return None
+    devices = sorted(p.name for p in infiniband.iterdir()) if infiniband.is_dir() else []
+    if os.environ.get("NCCL_IB_DISABLE", "0") != "1" and devices:
+        return (f"NCCL can carry the collectives over InfiniBand ({', '.join(devices)}), whose RDMA "
+                "traffic no kernel interface counter sees; set NCCL_IB_DISABLE=1 (and NCCL_SOCKET_IFNAME) to count "
+                "over sockets")
+    if os.environ.get("NCCL_SOCKET_IFNAME", "").startswith("^"):
+        return "NCCL_SOCKET_IFNAME excludes interfaces (^...) instead of naming one; name the interface to count it"
+    return None
 
 
 def tx_bytes(interface: str | None) -> int | None:
@@ -40,10 +62,10 @@ def tx_bytes(interface: str | None) -> int | None:
     return None
 
 
-def where() -> dict:
+def where(backend: str = "gloo") -> dict:
     """`host`: this rank's IPv4 address on the link interface, else the machine's name;
     `net_namespace`: the kernel's name for the network namespace the rank ran in."""
-    interface = link_interface()
+    interface = link_interface(backend)
     addresses = psutil.net_if_addrs().get(interface, []) if interface else []
     ipv4 = [a.address for a in addresses if a.family == socket.AF_INET]
     return {"host": ipv4[0] if ipv4 else socket.gethostname(), "net_namespace": os.readlink("/proc/self/ns/net")}
@@ -51,10 +73,13 @@ def where() -> dict:
 
 class LinkCount:
     """Started before the training loop, finished after it: the kernel's bytes against the collectives' bytes
-    over the same span. `collectives` is an nshard.seam.patches.CollectiveCounter (comms-logger bytes since its last take)."""
+    over the same span. `collectives` is an nshard.seam.patches.CollectiveCounter (comms-logger bytes since its last take);
+    `backend` the process group's ("gloo" or "nccl"), which decides the interface variable."""
 
-    def __init__(self, collectives):
-        self.interface = link_interface()
+    def __init__(self, collectives, backend: str = "gloo"):
+        self.backend = backend
+        self.not_counted = not_countable(backend)
+        self.interface = None if self.not_counted else link_interface(backend)
         self.collectives = collectives
         collectives.take()
         self.tx_start = tx_bytes(self.interface)
@@ -77,10 +102,14 @@ class LinkCount:
         link = {"interface": self.interface, "kernel_tx_bytes": kernel, "logged_collective_bytes": logged_bytes,
                 "logged_reducer_bytes": logged["logged_reducer_bytes"], "ledger_bytes": ledger_bytes,
                 "expected_wire_bytes": round(expected), "kernel_over_expected": ratio,
-                "ledger_matches_logger": ledger_ok, "tolerance": TOLERANCE, "agree": agree}
+                "ledger_matches_logger": ledger_ok, "tolerance": TOLERANCE, "agree": agree,
+                "backend": self.backend, "not_counted": self.not_counted}
+        if self.not_counted:
+            print(f"nshard: note (rank {rank}): the link's bytes are not counted: {self.not_counted}",
+                  file=sys.stderr, flush=True)
         if agree is False:
             print(f"nshard: warning (rank {rank}): byte counts disagree beyond {TOLERANCE:.0%} protocol overhead: "
                   f"kernel sent {kernel} B on {self.interface}, collectives {logged_bytes} B (expected on the wire "
                   f"{round(expected)} B), reducer ledger {ledger_bytes} B vs logged {logged['logged_reducer_bytes']} B",
                   file=sys.stderr, flush=True)
-        return {**where(), "link": link}
+        return {**where(self.backend), "link": link}

@@ -185,6 +185,9 @@ class CheckpointSection:
     """Updates between parameter-root comparisons across ranks; 0: only before a state is saved."""
     keep: int = 2
     """Complete states kept; older ones are removed once a newer one is sealed."""
+    deterministic_cuda: bool = False
+    """Bit-identical resume on CUDA: deterministic algorithms and a fixed cuBLAS workspace (slower; docs/gpu.md).
+    CPU runs are deterministic for one kernel set without it."""
 
     def __post_init__(self):
         _non_negative("checkpoint.every", self.every)

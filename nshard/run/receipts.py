@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import resource
 import statistics
 import time
@@ -30,12 +31,46 @@ def parameter_root(named_params) -> str:
     return h.hexdigest()
 
 
-def peak_memory_bytes() -> dict:
-    """Peak accelerator memory allocated (GPU) and the process's peak resident set (ru_maxrss is KiB on Linux)."""
+def peak_memory_bytes(gpu_phases: dict) -> dict:
+    """The process's peak resident set (ru_maxrss is KiB on Linux) and, on a GPU, the peak allocated and reserved
+    GPU memory over the phases (GpuPeaks resets the peaks at each one), with each phase's own peaks."""
     out = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    if torch.cuda.is_available():
-        out["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    if gpu_phases:
+        for key in GpuPeaks.KEYS:
+            out[key] = max(phase[key] for phase in gpu_phases.values())
+        out["gpu_memory_by_phase"] = gpu_phases
+        out["expandable_segments"] = expandable_segments()
     return out
+
+
+class GpuPeaks:
+    """Peak GPU memory allocated (tensors) and reserved (the caching allocator's segments) since the last start();
+    take() is None without CUDA."""
+
+    KEYS = ("peak_allocated_bytes", "peak_reserved_bytes")
+
+    def __init__(self):
+        self.cuda = torch.cuda.is_available()
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def take(self) -> dict | None:
+        if not self.cuda:
+            return None
+        return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+                "peak_reserved_bytes": torch.cuda.max_memory_reserved()}
+
+
+def expandable_segments() -> dict:
+    """Whether PYTORCH_CUDA_ALLOC_CONF asked for expandable segments and whether the allocator's segments are
+    expandable (None: no segment to look at); a torch build without them ignores the setting with a warning."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    segments = torch.cuda.memory_snapshot()
+    return {"alloc_conf": conf, "requested": "expandable_segments:true" in conf.replace(" ", "").lower(),
+            "in_effect": all(s.get("is_expandable", False) for s in segments) if segments else None,
+            "segments": len(segments)}
 
 
 @dataclass
@@ -55,13 +90,28 @@ class Receipt:
     resumed_from: list[int] = field(default_factory=list)
     """The update each --resume continued from (empty: one uninterrupted process)."""
     where_and_link: dict = field(default_factory=dict)  # host, net_namespace, link byte counts (nshard/run/netcount.py)
+    update_peak_allocated_bytes: list[int] = field(default_factory=list)
+    update_peak_reserved_bytes: list[int] = field(default_factory=list)
+    """GPU runs: each update's peaks (reset at its start); empty on the CPU."""
+    gpu_phases: dict = field(default_factory=dict)
+    """GPU runs: peak allocated and reserved bytes per phase ("setup", "updates", "export"), max over resumes."""
 
-    def record_update(self, seconds: float, grad_bytes: int, other_bytes: int, compressed: bool) -> None:
+    def record_update(self, seconds: float, grad_bytes: int, other_bytes: int, compressed: bool,
+                      gpu: dict | None = None) -> None:
         self.update_s.append(seconds)
         self.update_grad_bytes.append(grad_bytes)
         self.update_compressed.append(compressed)
         self.update_parameter_bytes.append(other_bytes)
         self.other_collective_bytes += other_bytes
+        if gpu is not None:
+            self.update_peak_allocated_bytes.append(gpu["peak_allocated_bytes"])
+            self.update_peak_reserved_bytes.append(gpu["peak_reserved_bytes"])
+            self.record_gpu_phase("updates", gpu)
+
+    def record_gpu_phase(self, phase: str, gpu: dict | None) -> None:
+        if gpu is not None:
+            before = self.gpu_phases.get(phase, {})
+            self.gpu_phases[phase] = {key: max(gpu[key], before.get(key, 0)) for key in GpuPeaks.KEYS}
 
     def state_dict(self) -> dict:
         """The counters so far, saved with every complete state so a resumed run's receipt covers the whole run."""
@@ -101,7 +151,9 @@ class Receipt:
             "resumed_from_update": self.resumed_from[-1] if self.resumed_from else None,
             "resumed_from_updates": self.resumed_from,
             "parameter_root": root,
-            **peak_memory_bytes(),
+            **peak_memory_bytes(self.gpu_phases),
+            "update_peak_allocated_bytes": self.update_peak_allocated_bytes,
+            "update_peak_reserved_bytes": self.update_peak_reserved_bytes,
             **self.where_and_link,
             **extra,
         }

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from nshard.run import data as data_mod
+from nshard.run import device as device_mod
 from nshard.seam import engine as engine_mod
 from nshard.seam import patches
 from nshard.run import netcount
@@ -23,8 +24,8 @@ from nshard.evidence.export import write_manifest
 from nshard.run.loss import deepspeed_backward_scale, pad_microbatch, weighted_nll_sum
 from nshard.files import file_sha256, write_json_atomic
 from nshard.run.plan import Plan
-from nshard.run.ranks import RunError, all_ranks, on_main_rank
-from nshard.run.receipts import MetricsLog, Receipt, parameter_root
+from nshard.run.ranks import RunError, all_ranks, on_main_rank, on_main_rank_long
+from nshard.run.receipts import GpuPeaks, MetricsLog, Receipt, parameter_root
 
 
 @dataclass
@@ -48,13 +49,14 @@ class Run:
 def preflight(plan: Plan, ds_config: dict, world_size: int) -> dict:
     """Check what can be checked before any process group exists: model path, replay source, batch keys.
     Returns the ds_config completed from the plan, which the run then uses as it is."""
-    from nshard.seam.ds_config import complete_ds_config
+    from nshard.seam.ds_config import check_optimizer_path, complete_ds_config
     from nshard.run.models import resolve_model
     from nshard.run.replay import check_replay_source
 
     if plan.model.spec != "embedded" and not plan.model.spec.startswith("tiny"):
         resolve_model(plan.model.spec)
     check_replay_source(plan)
+    check_optimizer_path(ds_config, device_mod.cuda_available())
     return complete_ds_config(ds_config, plan, world_size)
 
 
@@ -85,9 +87,11 @@ def prepare_inputs(run: Run, tokenizer, model_ref):
     """Every rank prepares the inputs itself (deterministic, cheap) and all must agree on the identity."""
     from nshard.run.replay import replay_documents
 
-    # Rank 0 generates and caches the seed model's replay answers once; the others then read them.
-    on_main_rank(run, replay_documents, run.plan, model_ref, tokenizer)
-    replay = replay_documents(run.plan, model_ref, tokenizer)
+    # Rank 0 generates and caches the seed model's replay answers once, on the run's device and in its dtype
+    # (minutes to hours for a big model: the others wait on a long timeout); the others then read them.
+    placement = device_mod.run_placement(run.ds_config)
+    on_main_rank_long(run, replay_documents, run.plan, model_ref, tokenizer, placement)
+    replay = replay_documents(run.plan, model_ref, tokenizer, placement)
     try:
         prepared_all = data_mod.prepare(run.plan, tokenizer, replay)
         error = None
@@ -138,12 +142,14 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
     counter.take()
     log = MetricsLog(run.out / "metrics.jsonl" if run.is_main else None, resume_after=start)
     engine.train()
-    link = netcount.LinkCount(patches.CollectiveCounter())  # kernel vs collective bytes over the loop
+    link = netcount.LinkCount(patches.CollectiveCounter(), dist.get_backend())  # kernel vs collective bytes
+    gpu_peaks = GpuPeaks()  # reset at every update, so each update's peaks are its own
     began, state_s_before = time.perf_counter(), receipt.state_s
     for update in tqdm(range(start, len(schedule)), initial=start, total=len(schedule), desc="updates",
                        disable=not run.is_main):
         batch = schedule[update]
         t0 = time.perf_counter()
+        gpu_peaks.start()
         lr = engine.optimizer.param_groups[0]["lr"]  # the rate this update steps with
         local_nll = train_update(engine, seam, run, prepared, batch, pad_id)
         compressed = seam.last_update_compressed()
@@ -152,7 +158,7 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
         counts = counter.take()
         reducer_bytes = seam.last_update_bytes()
         grad_bytes = counts["deepspeed_grad_bytes"] + reducer_bytes
-        receipt.record_update(seconds, grad_bytes, counts["other_bytes"], compressed)
+        receipt.record_update(seconds, grad_bytes, counts["other_bytes"], compressed, gpu_peaks.take())
         loss = global_loss(local_nll, batch, prepared, engine.device)
         log.write({"update": update + 1, "loss": loss, "lr": lr, "update_s": seconds, "compressed": compressed,
                    "grad_bytes": grad_bytes, "deepspeed_grad_bytes": counts["deepspeed_grad_bytes"],
@@ -197,6 +203,11 @@ def run_training(run: Run, overwrite: bool = False, resume_from: Path | None = N
     """A fresh run, or (resume_from: a state found by nshard.run.state.find_resumable) one continued from a state."""
     from nshard.run.models import load_model, load_tokenizer, resolve_model
 
+    # Before any CUDA kernel runs: cuBLAS reads its workspace setting when it starts.
+    determinism = device_mod.apply_determinism(run.plan.checkpoint.deterministic_cuda, device_mod.cuda_available())
+    gpu_peaks = GpuPeaks()
+    gpu_peaks.start()
+
     # Rank 0 converts the embedded model once; the others then find it cached.
     on_main_rank(run, resolve_model, run.plan.model.spec)
     model_ref = resolve_model(run.plan.model.spec)
@@ -215,14 +226,19 @@ def run_training(run: Run, overwrite: bool = False, resume_from: Path | None = N
     start, receipt = keeper.restore(resume_from) if resume_from else (0, None)
     if resume_from:
         on_main_rank(run, write_run_json, run, "running", resumed_from_update=start)
+    setup_gpu = gpu_peaks.take()  # model load, replay generation, engine build (and restore)
     receipt = train(run, engine, seam, prepared, schedule, tokenizer.pad_token_id, keeper, start, receipt)
+    receipt.record_gpu_phase("setup", setup_gpu)
+    gpu_peaks.start()
     t0 = time.perf_counter()
     root = export_model(run, engine, tokenizer, identity)
+    receipt.record_gpu_phase("export", gpu_peaks.take())
     active_plus_checkpoint = receipt.active_s + receipt.state_s + time.perf_counter() - t0
     extra = {"zero_stage": engine_mod.zero_stage(engine), "reducer": seam.name,
              "prepared_identity": identity, "comms_logged": patches.comms_logged(),
              "parameter_all_gather": patches.parameter_all_gather(engine),
-             **patches.optimizer_memory(engine)}
+             **patches.optimizer_memory(engine), "device": str(engine.device),
+             "optimizer": patches.optimizer_classes(engine), "determinism": determinism}
     body = receipt.finish(run.out / "receipts" / f"rank-{run.rank}.json", root, active_plus_checkpoint, extra)
     dist.barrier()
     if run.is_main:

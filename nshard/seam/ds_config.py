@@ -48,6 +48,30 @@ def validate_ds_config(config: dict) -> None:
         raise DsConfigError(f"optimizer.type={opt.get('type')!r}: nshard's study rule is AdamW; use \"AdamW\"")
     if "lr" not in opt.get("params", {}):
         raise DsConfigError("optimizer.params.lr is missing: give a learning rate")
+    if not isinstance(opt["params"].get("torch_adam", False), bool):
+        raise DsConfigError(f"optimizer.params.torch_adam={opt['params']['torch_adam']!r}: use true (torch's AdamW, "
+                            "the shipped configs) or false (DeepSpeed's FusedAdam on CUDA, see docs/gpu.md)")
+
+
+TORCH_ADAMW = "torch AdamW"
+FUSED_ADAM = "DeepSpeed FusedAdam"
+
+
+def optimizer_path(config: dict, cuda: bool) -> str:
+    """Which AdamW steps the run: torch's (built by nshard, chunked on CPU) on the CPU and wherever the
+    ds_config says optimizer.params.torch_adam=true (the shipped configs), so a GPU steps the optimizer the
+    CPU tests check; DeepSpeed's FusedAdam (compiled with nvcc at first use) only on CUDA by opting out."""
+    return TORCH_ADAMW if not cuda or config["optimizer"].get("params", {}).get("torch_adam", False) else FUSED_ADAM
+
+
+def check_optimizer_path(config: dict, cuda: bool) -> None:
+    """Refuse the optimizer path nshard cannot vouch for: FusedAdam under bf16 at stage 0, where DeepSpeed wraps
+    it in its FP16_Optimizer (bf16 mode) instead of the FP16_UnfusedOptimizer that torch's AdamW gets."""
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    if optimizer_path(config, cuda) == FUSED_ADAM and _bf16(config) and stage == 0:
+        raise DsConfigError("optimizer.params.torch_adam=false with bf16 at zero_optimization.stage=0: DeepSpeed "
+                            "would step FusedAdam inside its FP16_Optimizer, which no nshard test covers; set "
+                            "optimizer.params.torch_adam to true (the shipped default) or use stage 1 or 2")
 
 
 def reducer_config(config: dict) -> ReducerConfig | None:

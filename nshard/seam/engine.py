@@ -14,7 +14,7 @@ import torch
 from nshard.comm.config import ReducerConfig
 from nshard.seam import patches
 from nshard.seam.chunked_adamw import CHUNK_ELEMENTS, chunk_steps
-from nshard.seam.ds_config import ingest_mode
+from nshard.seam.ds_config import TORCH_ADAMW, ingest_mode, optimizer_path
 
 
 def torch_adamw(params, config: dict) -> torch.optim.Optimizer:
@@ -25,12 +25,12 @@ def torch_adamw(params, config: dict) -> torch.optim.Optimizer:
 
 
 def build_engine(model: torch.nn.Module, config: dict):
-    """deepspeed.initialize with torch's AdamW on CPU (no FusedAdam JIT build) and DeepSpeed's own elsewhere."""
+    """deepspeed.initialize with torch's AdamW (no FusedAdam JIT build) unless a CUDA run opted out (optimizer_path)."""
     import deepspeed
 
     config = copy.deepcopy(config)
     optimizer = None
-    if not torch.cuda.is_available():
+    if optimizer_path(config, torch.cuda.is_available()) == TORCH_ADAMW:
         optimizer = torch_adamw(model.parameters(), config)
         # The same arithmetic in cache-sized pieces (nshard/seam/chunked_adamw.py); NSHARD_ADAMW_CHUNK sets the
         # piece size in elements, 0 leaves torch's step as it is.
@@ -71,7 +71,10 @@ def build_cpu_comm_extension() -> None:
 def init_distributed() -> None:
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    from nshard.run.device import bind_local_gpu, dist_backend
+
+    bind_local_gpu()
+    deepspeed.init_distributed(dist_backend=dist_backend(torch.cuda.is_available()))
     _unlink_shm_workspace()
 
 

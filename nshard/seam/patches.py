@@ -23,7 +23,7 @@ PARAMETER_GATHER_LOG_NAME = "nshard_parameter_gather"
 GRAD_OPS = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "reduce", "all_reduce_coalesced")
 
 # The engine's public API as nshard uses it (listed so that a use outside it shows up in tests/test_layout.py).
-ENGINE_API = ("module", "optimizer", "device", "backward", "step", "train", "zero_optimization_stage",
+ENGINE_API = ("module", "optimizer", "basic_optimizer", "device", "backward", "step", "train", "zero_optimization_stage",
               "bfloat16_enabled", "fp16_enabled", "gradient_accumulation_steps", "save_checkpoint",
               "load_checkpoint")
 # What every DeepSpeed optimizer wrapper shares with torch.optim.Optimizer and nshard reads.
@@ -146,8 +146,16 @@ def parameter_all_gather(engine) -> dict | None:
 
 
 def partitioned_optimizer(engine) -> bool:
-    """Whether DeepSpeed steps a partitioned optimizer here: ZeRO-1/2, or BF16_Optimizer at stage 0."""
-    return engine.zero_optimization_stage() in (1, 2) or engine.bfloat16_enabled()
+    """Whether DeepSpeed steps a partitioned optimizer here: ZeRO-1/2, or a BF16_Optimizer. (bf16 at stage 0 with
+    torch's AdamW gets FP16_UnfusedOptimizer in bf16 mode, which keeps whole fp32 masters and gathers nothing.)"""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    return engine.zero_optimization_stage() in (1, 2) or isinstance(engine.optimizer, BF16_Optimizer)
+
+
+def optimizer_classes(engine) -> dict[str, str]:
+    """For the receipt: the torch optimizer DeepSpeed steps and the wrapper it sits in (the same class when none)."""
+    return {"basic": type(engine.basic_optimizer).__name__, "wrapper": type(engine.optimizer).__name__}
 
 
 def silence_deepspeed_reduction(engine) -> None:

@@ -69,6 +69,18 @@ def load_run_sets(run_dir: Path) -> RunSets:
     return RunSets(identity, cases, [docs[i] for i in sets["retention_ids"]])
 
 
+def run_placement(run_dir: Path):
+    """Evaluate where the run trained: its GPU in its dtype, or the CPU in fp32 (nshard/run/device.py); the run's
+    ds_config.json says whether it trained in bf16."""
+    from nshard.run.device import cuda_available, inference_placement
+    from nshard.seam.ds_config import _bf16
+
+    path = Path(run_dir) / "ds_config.json"
+    if not path.is_file():
+        raise EvalError(f"{path} is missing: evaluate a run directory written by nshard/train.py")
+    return inference_placement(_bf16(json.loads(path.read_text())), cuda_available())
+
+
 def prompt_ids(tokenizer, case) -> list[int]:
     """The model input: the case's prompt as the user turn, then the assistant header (no answer)."""
     out = tokenizer.apply_chat_template([{"role": "user", "content": tasks.prompt(case)}], tokenize=True,
@@ -142,7 +154,8 @@ def score_model(label: str, model_dir: Path, run_dir: Path, out: Path, *, commit
                 batch_size: int = 16) -> dict:
     """Evaluate one model directory; refuses a model that the commitment does not name unless exploratory."""
     from nshard.evidence import commit as commit_mod
-    from nshard.run.models import ModelRef, load_model, load_tokenizer
+    from nshard.run.device import load_for_inference
+    from nshard.run.models import ModelRef, load_tokenizer
 
     model_dir = Path(model_dir)
     files = commit_mod.model_files(model_dir)
@@ -168,7 +181,8 @@ def score_model(label: str, model_dir: Path, run_dir: Path, out: Path, *, commit
 
     ref = ModelRef(str(model_dir), str(model_dir.resolve()), None, "local")
     tokenizer = load_tokenizer(ref)
-    model = load_model(ref).eval()
+    placement = run_placement(run_dir)
+    model = load_for_inference(ref, placement)
     t0 = time.perf_counter()
     inputs = [prompt_ids(tokenizer, c) for c in sets.cases]
     generated = generate_answers(model, tokenizer, inputs, max_new_tokens, batch_size, desc=f"{label}: answers")
@@ -205,6 +219,7 @@ def score_model(label: str, model_dir: Path, run_dir: Path, out: Path, *, commit
                "cases": len(case_rows), "correct": sum(r["correct"] for r in case_rows), "per_family": per_family,
                "retention_docs": len(retention), "max_new_tokens": max_new_tokens, "batch_size": batch_size,
                "generate_s": generate_s, "retention_s": retention_s,
+               "device": placement.device, "dtype": placement.dtype,
                "with_seed_retention": seed_eval is not None}
     write_json_atomic(out / "summary.json", summary)
     return summary
@@ -229,7 +244,7 @@ def main(argv=None) -> int:
                               exploratory=args.exploratory, seed_eval=args.seed_eval,
                               max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     except (EvalError, CommitError, OSError) as exc:
-        print(f"nshard.evaluate: error: {exc}", file=sys.stderr)
+        print(f"nshard.study.evaluate: error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps({k: summary[k] for k in ("label", "cases", "correct", "exploratory")}))
     return 0

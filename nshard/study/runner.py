@@ -168,6 +168,15 @@ def score_all(plan: Plan, out: Path, seed_dir: Path, arms: dict[str, Path], reco
     return evals
 
 
+def arm_placements(plan: Plan) -> list:
+    """The distinct devices and dtypes the arms generate replay answers in (nshard/run/device.py)."""
+    from nshard.run.device import run_placement
+    from nshard.seam.ds_config import load_ds_config
+
+    placements = [run_placement(load_ds_config(resolve_ds_config(arm.ds_config))) for arm in plan.study.arms]
+    return list(dict.fromkeys(placements))
+
+
 def prepare_shared_caches(plan: Plan) -> None:
     """One-time work that no arm should pay inside its timed process: the model conversion, the seed
     model's replay answers, DeepSpeed's CPU collective build. The first arm would otherwise carry it."""
@@ -178,7 +187,8 @@ def prepare_shared_caches(plan: Plan) -> None:
 
     t0 = time.perf_counter()
     ref = resolve_model(plan.model.spec)
-    replay_documents(plan, ref, load_tokenizer(ref))
+    for placement in arm_placements(plan):  # where each arm's rank 0 will look for them
+        replay_documents(plan, ref, load_tokenizer(ref), placement)
     if not torch.cuda.is_available():
         from nshard.seam.engine import build_cpu_comm_extension
 

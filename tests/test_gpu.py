@@ -1,0 +1,290 @@
+"""What changes on a GPU host, checked on the CPU: tests pin themselves to the CPU, evaluation and replay are
+placed by one rule, determinism is set on request, the optimizer path is chosen and refused by the ds_config,
+GPU receipts keep per-update peaks, and the link counter follows NCCL's interface."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from runs import REPO, ds_config
+from spawn import run_ranks
+
+from nshard.run import device, netcount, replay
+from nshard.seam import ds_config as dsc
+from nshard.seam import engine, patches
+from nshard.run.receipts import Receipt
+
+SHIPPED = ("dense", "powersgd", "zero1", "zero2")
+
+PIN_PROBE = """
+import json, os, sys
+sys.path.insert(0, "tests")
+import conftest  # the CPU session's pinning, before torch
+from runs import run_env
+from spawn import run_ranks
+import test_gpu
+rank0 = run_ranks(test_gpu.child_view, world_size=1)[0]
+print(json.dumps({"spawned": rank0, "launched_env": run_env()["CUDA_VISIBLE_DEVICES"]}))
+"""
+
+
+def child_view(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    return {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"), "DS_ACCELERATOR": os.environ["DS_ACCELERATOR"],
+            "cuda": torch.cuda.is_available(), "nshard_backend": device.dist_backend(torch.cuda.is_available()),
+            "group_backend": dist.get_backend()}
+
+
+def test_a_cpu_session_hides_visible_gpus_from_the_ranks_it_starts():
+    """With CUDA_VISIBLE_DEVICES=0 and DS_ACCELERATOR=cuda set by the caller, as on a GPU host, the CPU session
+    still starts its spawned ranks and launched runs with the GPUs hidden, on DeepSpeed's CPU accelerator and gloo."""
+    env = {k: v for k, v in os.environ.items() if k != "NSHARD_CUDA_TESTS"}
+    env.update(CUDA_VISIBLE_DEVICES="0", DS_ACCELERATOR="cuda")
+    proc = subprocess.run([sys.executable, "-c", PIN_PROBE], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["launched_env"] == ""
+    assert seen["spawned"] == {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "cuda": False,
+                               "nshard_backend": "gloo", "group_backend": "gloo"}
+
+
+def test_inference_runs_where_the_run_trains():
+    cpu = device.inference_placement(bf16=True, cuda=False)
+    assert (cpu.device, cpu.dtype, cpu.kind) == ("cpu", "float32", "cpu")
+    gpu = device.inference_placement(bf16=True, cuda=True, local_rank=1)
+    assert (gpu.device, gpu.torch_dtype, gpu.kind) == ("cuda:1", torch.bfloat16, "cuda")
+    assert device.inference_placement(bf16=False, cuda=True).torch_dtype == torch.float32
+
+
+def test_evaluation_reads_the_runs_precision_and_loads_the_model_where_placed(tmp_path):
+    from nshard.study.evaluate import EvalError, run_placement
+    from nshard.run.models import resolve_model
+
+    with pytest.raises(EvalError, match="ds_config.json is missing"):
+        run_placement(tmp_path)
+    (tmp_path / "ds_config.json").write_text(json.dumps(ds_config("dense", bf16={"enabled": True})))
+    assert run_placement(tmp_path) == device.inference_placement(True, torch.cuda.is_available())
+    model = device.load_for_inference(resolve_model("tiny"), device.Placement("cpu", "bfloat16"))
+    assert not model.training
+    assert {(p.device.type, p.dtype) for p in model.parameters()} == {("cpu", torch.bfloat16)}
+
+
+def test_replay_answers_are_cached_per_device_kind_and_dtype():
+    """Another device or dtype may answer differently, so it gets its own cache entry; the CPU fp32 entry keeps
+    the key it always had (the model, the prompts, the length), and the device index never enters it."""
+    import hashlib
+
+    from nshard.run.models import resolve_model
+
+    ref = resolve_model("tiny")
+    old_key = json.dumps([ref.sha256, replay.GENERAL_PROMPTS[:4], replay.MAX_NEW_TOKENS])
+    cpu = replay._cache_path(ref, 4, device.CPU_FP32)
+    assert cpu.name == f"{hashlib.sha256(old_key.encode()).hexdigest()[:24]}.jsonl"
+    gpu0 = replay._cache_path(ref, 4, device.Placement("cuda:0", "bfloat16"))
+    assert gpu0 == replay._cache_path(ref, 4, device.Placement("cuda:3", "bfloat16"))
+    assert len({cpu, gpu0, replay._cache_path(ref, 4, device.Placement("cuda:0", "float32"))}) == 3
+
+
+def test_determinism_is_set_on_cuda_when_asked_and_recorded(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert device.apply_determinism(True, cuda=False)["deterministic_algorithms"] is False
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ  # the CPU needs neither
+    try:
+        record = device.apply_determinism(True, cuda=True)
+        assert record == {"requested": True, "cuda": True, "deterministic_algorithms": True,
+                          "cublas_workspace_config": ":4096:8"}
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+        with pytest.raises(ValueError, match="CUBLAS_WORKSPACE_CONFIG=':0:0'.*set it to :4096:8"):
+            device.apply_determinism(True, cuda=True)
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic = False
+
+
+def test_a_plan_asks_for_deterministic_cuda_by_a_boolean():
+    from nshard.run.plan import PlanError, plan_from_dict
+
+    assert plan_from_dict({"checkpoint": {"deterministic_cuda": True}}).checkpoint.deterministic_cuda is True
+    with pytest.raises(PlanError, match="checkpoint.deterministic_cuda must be bool"):
+        plan_from_dict({"checkpoint": {"deterministic_cuda": "yes"}})
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_configs_step_torch_adamw_on_cpu_and_gpu(name):
+    config = ds_config(name)
+    assert dsc.optimizer_path(config, cuda=False) == dsc.optimizer_path(config, cuda=True) == dsc.TORCH_ADAMW
+    for bf16 in (False, True):
+        dsc.check_optimizer_path(ds_config(name, bf16={"enabled": bf16}), cuda=True)
+
+
+def test_fused_adam_is_an_opt_in_on_cuda_and_refused_under_bf16_at_stage_0():
+    fused = ds_config("dense")
+    fused["optimizer"]["params"]["torch_adam"] = False
+    assert dsc.optimizer_path(fused, cuda=False) == dsc.TORCH_ADAMW  # nothing to compile on the CPU
+    assert dsc.optimizer_path(fused, cuda=True) == dsc.FUSED_ADAM
+    dsc.check_optimizer_path(fused, cuda=True)  # fp32: DeepSpeed steps FusedAdam itself (tests/test_cuda.py)
+    with pytest.raises(dsc.DsConfigError, match="torch_adam=false with bf16 at zero_optimization.stage=0.*set "
+                                                   "optimizer.params.torch_adam to true"):
+        dsc.check_optimizer_path({**fused, "bf16": {"enabled": True}}, cuda=True)
+    fused["optimizer"]["params"]["torch_adam"] = "yes"
+    with pytest.raises(dsc.DsConfigError, match="optimizer.params.torch_adam='yes': use true"):
+        dsc.validate_ds_config(fused)
+
+
+def engine_classes(rank: int, world: int) -> dict:
+    """The optimizer DeepSpeed wraps around torch's AdamW for each precision and stage (one gloo rank)."""
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    out = {}
+    for bf16 in (False, True):
+        for stage in (0, 1, 2):
+            config = ds_config("dense", train_batch_size=1, train_micro_batch_size_per_gpu=1,
+                               gradient_accumulation_steps=1, zero_allow_untested_optimizer=True,
+                               zero_optimization={"stage": stage, "reduce_scatter": False, "overlap_comm": False},
+                               bf16={"enabled": bf16})
+            config["scheduler"]["params"]["total_num_steps"] = 2
+            built = engine.build_engine(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)), config)
+            out[f"bf16={bf16} stage={stage}"] = {**patches.optimizer_classes(built),
+                                                 "partitioned": patches.partitioned_optimizer(built)}
+    return out
+
+
+def test_bf16_at_stage_0_is_not_a_partitioned_optimizer():
+    """With torch's AdamW, DeepSpeed 0.19.8 wraps bf16 at stage 0 in FP16_UnfusedOptimizer (whole fp32 masters, no
+    all-gather), not BF16_Optimizer: receipts, the gather swap and the memory model must not assume a partition."""
+    seen = run_ranks(engine_classes, world_size=1, timeout_s=300)[0]
+    assert {v["basic"] for v in seen.values()} == {"AdamW"}
+    assert seen["bf16=False stage=0"] == {"basic": "AdamW", "wrapper": "AdamW", "partitioned": False}
+    assert seen["bf16=True stage=0"] == {"basic": "AdamW", "wrapper": "FP16_UnfusedOptimizer", "partitioned": False}
+    for bf16 in (False, True):
+        for stage in (1, 2):
+            assert seen[f"bf16={bf16} stage={stage}"]["wrapper"] == "DeepSpeedZeroOptimizer"
+            assert seen[f"bf16={bf16} stage={stage}"]["partitioned"] is True
+
+
+def test_the_memory_model_keeps_whole_masters_and_state_for_bf16_at_stage_0():
+    sys.path.insert(0, str(REPO))
+    from nshard.analysis.memory_model import Config, predict, smollm2_1_7b
+
+    parts = predict(smollm2_1_7b(2), Config(stage=0, world=2, bf16=True))["parts_per_param"]
+    assert parts["optimizer"] == 8 and parts["master"] == 4
+
+
+def test_gpu_receipts_keep_each_updates_peaks_and_the_max_per_phase():
+    receipt = Receipt(0, 1)
+    receipt.record_update(1.0, 0, 0, False)  # a CPU run: no GPU figures
+    assert receipt.update_peak_allocated_bytes == [] and receipt.gpu_phases == {}
+    for allocated, reserved in ((10, 40), (30, 35)):
+        receipt.record_update(1.0, 0, 0, False, {"peak_allocated_bytes": allocated, "peak_reserved_bytes": reserved})
+    receipt.record_gpu_phase("export", {"peak_allocated_bytes": 5, "peak_reserved_bytes": 50})
+    assert receipt.update_peak_allocated_bytes == [10, 30] and receipt.update_peak_reserved_bytes == [40, 35]
+    assert receipt.gpu_phases == {"updates": {"peak_allocated_bytes": 30, "peak_reserved_bytes": 40},
+                                  "export": {"peak_allocated_bytes": 5, "peak_reserved_bytes": 50}}
+    assert Receipt.from_state_dict(receipt.state_dict()).gpu_phases == receipt.gpu_phases  # survives a resume
+
+
+def test_memory_model_sets_a_gpu_run_against_its_allocated_peak():
+    sys.path.insert(0, str(REPO))
+    from nshard.analysis.memory_model import measured_bytes
+
+    assert measured_bytes({"peak_rss_bytes": 7}) == 7
+    assert measured_bytes({"device": "cpu", "peak_rss_bytes": 7, "peak_allocated_bytes": None}) == 7
+    assert measured_bytes({"device": "cuda:0", "peak_rss_bytes": 7, "peak_allocated_bytes": 3}) == 3
+
+
+@pytest.mark.parametrize("value, interface", [("eth1", "eth1"), ("=ib0,eth0", "ib0"), ("^docker,lo", None), ("", None)])
+def test_under_nccl_the_link_counter_follows_ncclS_socket_interface(monkeypatch, value, interface):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "gloo0")
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", value)
+    assert netcount.link_interface("nccl") == interface
+    assert netcount.link_interface("gloo") == "gloo0"
+
+
+def test_the_link_counter_says_when_it_cannot_count(monkeypatch, tmp_path):
+    monkeypatch.setenv("NCCL_IB_DISABLE", "0")
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth0")
+    assert netcount.not_countable("nccl", tmp_path / "absent") is None
+    (tmp_path / "mlx5_0").mkdir()
+    assert "InfiniBand (mlx5_0)" in netcount.not_countable("nccl", tmp_path)
+    assert netcount.not_countable("gloo", tmp_path) is None
+    monkeypatch.setenv("NCCL_IB_DISABLE", "1")
+    assert netcount.not_countable("nccl", tmp_path) is None
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "^docker")
+    assert "excludes interfaces" in netcount.not_countable("nccl", tmp_path)
+
+
+def test_the_gpu_check_lists_and_checks_every_step_in_a_dry_run(tmp_path):
+    proc = subprocess.run(["bash", "launch/gpu_check.sh", "--dry-run", "--out", str(tmp_path / "check")], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    steps = summary["steps"]
+    assert list(steps) == ["environment", "train-fp32", "train-bf16", "evaluate-64", "train-powersgd",
+                           "train-fp32-deterministic", "cuda-tests"]
+    assert {s["status"] for s in steps.values()} == {"dry-run: listed, not run"}
+    assert all(f"gpu_check: {name}: " in proc.stderr for name in steps)
+    assert "--batch-size" in steps["evaluate-64"]["command"] and steps["cuda-tests"]["env"] == {"NSHARD_CUDA_TESTS": "1"}
+    assert len(summary["checked_inputs"]) == 6
+    assert any("test_one_rank_trains_exports_and_evaluates_on_cuda" in t for t in summary["cuda_tests"])
+
+
+def test_bf16_at_stage_0_trains_through_fp16_unfused_optimizer(runs_root):
+    """The path bf16 at stage 0 takes on CPU and GPU alike (torch's AdamW in DeepSpeed's FP16_UnfusedOptimizer):
+    a one-rank run trains, its receipt names the wrapper and claims no parameter all-gather."""
+    from runs import final_params, launch, receipts, tiny_config
+    from safetensors.torch import load_file
+
+    from nshard.run.models import resolve_model
+
+    out = runs_root / "bf16-stage0-one-rank"
+    launch(out, tiny_config(bf16=True), world=1)
+    (receipt,) = receipts(out)
+    assert receipt["optimizer"] == {"basic": "AdamW", "wrapper": "FP16_UnfusedOptimizer"}
+    assert receipt["parameter_all_gather"] is None and receipt["device"] == "cpu"
+    assert receipt["determinism"]["deterministic_algorithms"] is False
+    seed = load_file(str(next(Path(resolve_model("tiny").path).glob("*.safetensors"))))
+    trained = final_params(out)
+    assert {t.dtype for t in trained.values()} == {torch.bfloat16}
+    moved = [name for name in seed if not torch.equal(trained[name].float(), seed[name].to(torch.bfloat16).float())]
+    assert len(moved) > len(seed) // 2
+
+
+class _Run:
+    def __init__(self, rank: int):
+        self.rank, self.is_main = rank, rank == 0
+
+
+def wait_for_slow_main_rank(rank: int, world: int) -> dict:
+    """Rank 0 works 3 s; rank 1 waits once on a group with a 1 s timeout, then through on_main_rank_long."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from nshard.run.ranks import on_main_rank, on_main_rank_long
+
+    run = _Run(rank)
+    short = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=1))
+    try:
+        on_main_rank(run, time.sleep, 3, _wait_group=short)
+        short_outcome = "returned"
+    except Exception as exc:  # noqa: BLE001 -- the contrast: a short timeout gives up on a slow rank 0
+        short_outcome = type(exc).__name__
+    dist.barrier()
+    result = on_main_rank_long(run, lambda: (time.sleep(3), "answers")[1])
+    return {"short": short_outcome, "long": result if rank == 0 else "waited"}
+
+
+def test_other_ranks_outwait_a_slow_main_rank_on_the_long_group():
+    seen = run_ranks(wait_for_slow_main_rank, world_size=2, timeout_s=120)
+    assert seen[1]["short"] != "returned"  # a 1 s group does not outwait 3 s of work
+    assert seen[0]["long"] == "answers" and seen[1]["long"] == "waited"
