@@ -1,0 +1,57 @@
+"""Every figure-producing script under launch/ runs end to end on the tiny model, one round: seconds to a couple
+of minutes each, so that a script whose figures the docs quote cannot rot unseen."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from runs import REPO, run_env
+
+pytestmark = pytest.mark.slow
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, memory cgroups)")
+
+
+def script(*args, timeout=900) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=run_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@root_only
+def test_bench_link_runs_one_round_on_the_tiny_model(tmp_path):
+    out = tmp_path / "bench_link"
+    proc = script("launch.bench_link", "--rates", "1gbit", "--models", "tiny", "--updates", "1", "--rank", "4",
+                  "--out", str(out))
+    report = json.loads((out / "bench_link.json").read_text())
+    arms = report["models"]["tiny"]["rates"]["1gbit"]
+    assert {"dense", "nshard", "hook"} <= set(arms) and (out / "bench_link.png").stat().st_size > 1000
+    assert "wrote" in proc.stdout
+
+
+def test_bench_powersgd_runs_one_update_per_arm():
+    proc = script("launch.bench_powersgd", "--models", "135m", "--layers", "1", "--updates", "1", "--rank", "4")
+    assert "ratios: nshard/hook time" in proc.stdout
+
+
+def test_bench_microbatch_runs_two_sizes_on_the_tiny_plan():
+    proc = script("launch.bench_microbatch", "--plan", "launch/plans/tiny.toml", "--sizes", "1", "2",
+                  "--updates", "1", "--batch_docs", "2")
+    assert "| microbatch | s/update (median) | tokens/s | ratio to microbatch 1 |" in proc.stdout
+
+
+def test_kill_resume_runs_one_trial():
+    proc = script("launch.kill_resume", "--trials", "1", "--stages", "0", "--updates", "2", "--every", "1")
+    assert "matched 1/1" in proc.stdout
+
+
+@root_only
+def test_memory_probe_measures_one_arm_of_the_tiny_model(tmp_path):
+    script("launch.memory_probe", "--model", "tiny", "--arms", "base", "--cap_gib", "2", "--out", str(tmp_path / "p"),
+           "--timeout_s", "600")
+    assert any((tmp_path / "p").rglob("*.json"))
