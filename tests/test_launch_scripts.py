@@ -29,7 +29,7 @@ def test_bench_link_runs_one_round_on_the_tiny_model(tmp_path):
     proc = script("launch.bench_link", "--rates", "1gbit", "--models", "tiny", "--updates", "1", "--rank", "4",
                   "--out", str(out))
     report = json.loads((out / "bench_link.json").read_text())
-    arms = report["models"]["tiny"]["rates"]["1gbit"]
+    arms = report["models"]["tiny"]["rates"]["1gbit"]["arms"]
     assert {"dense", "nshard", "hook"} <= set(arms) and (out / "bench_link.png").stat().st_size > 1000
     assert "wrote" in proc.stdout
 
