@@ -13,7 +13,8 @@ system_packages() { command -v mpirun >/dev/null && command -v pdsh >/dev/null &
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && { system_packages || [ "$(id -u)" != 0 ]; }; then
   exit 0
 fi
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+# A venv whose creation was interrupted has a python but no pip: make it again.
+.venv/bin/python -m pip --version >/dev/null 2>&1 || "$PY" -m venv --clear .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -e '.[test]'
