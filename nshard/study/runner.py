@@ -168,16 +168,16 @@ def score_all(plan: Plan, out: Path, seed_dir: Path, arms: dict[str, Path], reco
     return evals
 
 
-def arm_placements(plan: Plan) -> list:
+def arm_placements(plan: Plan, plan_path: Path) -> list:
     """The distinct devices and dtypes the arms generate replay answers in (nshard/run/device.py)."""
     from nshard.run.device import run_placement
     from nshard.seam.ds_config import load_ds_config
 
-    placements = [run_placement(load_ds_config(resolve_ds_config(arm.ds_config))) for arm in plan.study.arms]
+    placements = [run_placement(load_ds_config(resolve_ds_config(arm.ds_config, plan_path))) for arm in plan.study.arms]
     return list(dict.fromkeys(placements))
 
 
-def prepare_shared_caches(plan: Plan) -> None:
+def prepare_shared_caches(plan: Plan, plan_path: Path) -> None:
     """One-time work that no arm should pay inside its timed process: the model conversion, the seed
     model's replay answers, DeepSpeed's CPU collective build. The first arm would otherwise carry it."""
     import torch
@@ -187,7 +187,7 @@ def prepare_shared_caches(plan: Plan) -> None:
 
     t0 = time.perf_counter()
     ref = resolve_model(plan.model.spec)
-    for placement in arm_placements(plan):  # where each arm's rank 0 will look for them
+    for placement in arm_placements(plan, plan_path):  # where each arm's rank 0 will look for them
         replay_documents(plan, ref, load_tokenizer(ref), placement)
     if not torch.cuda.is_available():
         from nshard.seam.engine import build_cpu_comm_extension
@@ -215,7 +215,7 @@ def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = Fals
              "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
     shutil.copyfile(plan_path, out / "plan.toml")
     t0 = time.perf_counter()
-    prepare_shared_caches(plan)
+    prepare_shared_caches(plan, plan_path)
     for arm in plan.study.arms:
         study["arms"].append(train_arm(arm, plan, plan_path, out, previous.get(arm.name)))
         write_json_atomic(out / "study.json", study)
