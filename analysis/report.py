@@ -104,8 +104,23 @@ def accuracy_block(rows: list[dict], confidence: float) -> dict:
             "per_family": {f: block([bool(r["correct"]) for r in rows if r["family"] == f]) for f in families}}
 
 
-def retention_block(rows: list[dict], confidence: float) -> dict | None:
-    changes = [r["change_nats_per_token"] for r in rows if "change_nats_per_token" in r]
+def retention_changes(path: Path, rows: list[dict], seed_rows: list[dict]) -> list[float]:
+    """Each document's change, recomputed from the model's and the seed's losses (the stored change must agree)."""
+    seed = {r["doc_id"]: r["nll_sum"] for r in seed_rows}
+    changes = []
+    for row in rows:
+        if row.get("doc_id") not in seed:
+            raise StudyError(f"{path}: retention document {row.get('doc_id')!r} has no seed loss in eval/seed")
+        change = (row["nll_sum"] - seed[row["doc_id"]]) / row["target_weight"]
+        stored = row.get("change_nats_per_token")
+        if stored is None or not math.isclose(stored, change, rel_tol=1e-9, abs_tol=1e-12):
+            raise StudyError(f"{path}: retention {row['doc_id']}: the stored change {stored} is not the one its "
+                             f"losses give ({change}); score the model again")
+        changes.append(change)
+    return changes
+
+
+def retention_block(changes: list[float], confidence: float) -> dict | None:
     if len(changes) < 2:
         return None
     mean, lower, upper = mean_interval(changes, confidence)
@@ -221,6 +236,7 @@ def analyze(study_dir: Path) -> dict:
         exploratory_reasons = check_scores(study_dir, study, commitment)
         exploratory = bool(exploratory_reasons)
     seed_rows = read_jsonl(study_dir / "eval" / "seed" / "cases.jsonl")
+    seed_retention = read_jsonl(study_dir / "eval" / "seed" / "retention.jsonl")
     seed = {"name": "seed", **accuracy_block(seed_rows, conf),
             "model_files": read_json(study_dir / "eval" / "seed" / "summary.json")["model_files"]}
     arms, case_rows = [], {}
@@ -236,7 +252,8 @@ def analyze(study_dir: Path) -> dict:
             arm.update(parameter_root=run["parameter_root"], prepared_identity=run["prepared_identity"],
                        plan_sha256=run["plan_sha256"], ds_config_sha256=run["ds_config_sha256"],
                        model_files=read_json(eval_dir / "summary.json")["model_files"],
-                       retention=retention_block(read_jsonl(eval_dir / "retention.jsonl"), conf),
+                       retention=retention_block(retention_changes(eval_dir / "retention.jsonl", read_jsonl(
+                           eval_dir / "retention.jsonl"), seed_retention), conf),
                        execution=execution_block(run_dir, spec["ranks"], screens["network_usd_per_gb"]),
                        metrics=read_jsonl(run_dir / "metrics.jsonl"))
         else:

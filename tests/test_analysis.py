@@ -151,8 +151,12 @@ def write_eval(root: Path, name: str, correct: list[bool], changes: list[float] 
     d = root / "eval" / name
     write_jsonl(d / "cases.jsonl", [{"case_id": f"c{i:03d}", "family": FAMILIES[i % 2], "correct": c}
                                     for i, c in enumerate(correct)])
-    write_jsonl(d / "retention.jsonl", [{"doc_id": f"r{i}", "nll_sum": 1.0, "change_nats_per_token": c}
-                                        for i, c in enumerate(changes or [])])
+    # The seed's losses are 1.0 per document; a model's change is stored as its losses give it.
+    rows = ([{"doc_id": f"r{i}", "nll_sum": 1.0 + 10 * c, "target_weight": 10.0} for i, c in enumerate(changes)]
+            if changes is not None else [{"doc_id": f"r{i}", "nll_sum": 1.0, "target_weight": 10.0} for i in range(16)])
+    for row in rows if changes is not None else []:
+        row["change_nats_per_token"] = (row["nll_sum"] - 1.0) / row["target_weight"]
+    write_jsonl(d / "retention.jsonl", rows)
     (d / "summary.json").write_text(json.dumps({"model_files": {"model.safetensors": name}}))
 
 
@@ -340,3 +344,12 @@ def test_a_changed_export_is_refused(tmp_path):
     root = make_study(tmp_path, candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
     (root / "arms" / "powersgd" / "model" / "model.safetensors").write_text("other weights")
     assert "does not commit this model" in refused(root)
+
+
+def test_forged_retention_changes_are_refused(tmp_path):
+    """Changes of -5 nats written over the candidate's rows: the report recomputes them from the losses."""
+    root = make_study(tmp_path, candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
+    path = root / "eval" / "powersgd" / "retention.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    write_jsonl(path, [{**r, "change_nats_per_token": -5.0} for r in rows])
+    assert "retention r0: the stored change -5.0 is not the one its losses give" in refused(root)

@@ -69,6 +69,10 @@ def test_ledger_matches_the_formula_and_receipts_separate_warmup(stages):
         for r in receipts(out):
             assert r["update_compressed"] == [False, True, True]
             assert r["reducer"] == "powersgd"
+            # Counted from the calls that ran, not from what was installed.
+            ran = r["reduction_ran"]
+            assert (ran["nshard_reducer_calls"], ran["nshard_compressed_calls"]) == (3, 2)
+            assert ran["deepspeed_grad_bytes"] <= 3 * 64 and ran["deepspeed_comms_logged"]
 
 
 @pytest.mark.slow
@@ -82,6 +86,10 @@ def test_zero_sends_the_updated_parameters_uncompressed_every_update(stages):
     for stage in (1, 2):
         rs = receipts(stages[stage])
         assert [m["parameter_bytes"] for m in metrics(stages[stage])] == rs[0]["update_parameter_bytes"]
+        for r in rs:  # the ring ran once per update (its sends counted by itself), DeepSpeed's gather never
+            calls = r["parameter_all_gather"]["calls"]
+            assert calls["ring"]["calls"] == 3 and calls["deepspeed"]["calls"] == 0, calls
+            assert calls["ring"]["bytes_sent"] == sum(r["update_parameter_bytes"])
         for per_rank in zip(*(r["update_parameter_bytes"] for r in rs)):
             assert dense <= sum(per_rank) <= dense + 4 * 64 * len(rs), (stage, per_rank)  # + alignment padding
 
@@ -99,6 +107,9 @@ def test_dense_warmup_is_bit_identical_to_the_dense_reducer(runs_root):
 def test_nshard_dense_reducer_matches_deepspeed_all_reduce(runs_root):
     dense = cached_run(runs_root, "nshard-dense", tiny_config(stage=0, nshard={"reducer": "dense"}))
     deepspeed = cached_run(runs_root, "ds-dense", tiny_config())
+    for r in receipts(deepspeed):  # DeepSpeed's all-reduce ran: its logger saw the gradient bytes, no nshard call
+        ran = r["reduction_ran"]
+        assert ran["configured"] == "deepspeed" and ran["nshard_reducer_calls"] == 0 and ran["deepspeed_grad_bytes"] > 0
     assert_same_params(dense, deepspeed, rtol=1e-5, atol=1e-6)
 
 
@@ -192,6 +203,8 @@ def test_zero2_powersgd_with_accumulation_equals_its_reference_paths(runs_root, 
     launch(reference, config, env=REFERENCE_PATHS)
     assert {r["parameter_all_gather"]["call"] for r in receipts(fast)} == {RING}
     assert {r["parameter_all_gather"]["call"] for r in receipts(reference)} == {"deepspeed all_gather_dp_groups"}
+    assert {r["parameter_all_gather"]["calls"]["ring"]["calls"] for r in receipts(reference)} == {0}
+    assert {r["parameter_all_gather"]["calls"]["deepspeed"]["calls"] for r in receipts(reference)} == {3}
     assert root(fast) == root(reference)
     zero1 = cached_run(runs_root, "psgd-r4-z1" + suffix, tiny_config(stage=1, nshard=psgd(rank=4), bf16=bf16))
     assert root(zero1) == root(fast)

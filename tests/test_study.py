@@ -129,6 +129,101 @@ def test_validation_catches_a_changed_correct_flag(study, tmp_path):
         validate(study["out"] / "arms" / "dense", tiny_tokenizer(), evals)
 
 
+def copy_eval(study, tmp_path, label: str, rows_file: str, edit, **summary_changes) -> dict[str, Path]:
+    """The study's evaluations with `label`'s copy edited (rows of rows_file, then summary fields)."""
+    evals = {name: study["out"] / "eval" / name for name in ("seed", "one-rank", "dense", "powersgd")}
+    copy = tmp_path / f"{label}-edited"
+    shutil.copytree(evals[label], copy)
+    rows = read_jsonl(copy / rows_file)
+    edit(rows)
+    (copy / rows_file).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = json.loads((copy / "summary.json").read_text())
+    (copy / "summary.json").write_text(json.dumps({**summary, **summary_changes}))
+    return {**evals, label: copy}
+
+
+def test_validation_rebuilds_the_inputs_from_the_plan_and_finds_the_seed_through_the_record(study, tmp_path):
+    out = study["out"]
+    record = load_commitment(out / "commitment.json")
+    evals = {("base" if n == "seed" else n): out / "eval" / n for n in ("seed", "one-rank", "dense", "powersgd")}
+    report = validate(out / "arms" / "powersgd", tiny_tokenizer(), evals, record=record, plan_path=study["plan"])
+    assert report["seed"] == "base" and report["seed_found_by"] == "record"
+    assert report["prepared"]["prepared_identity"] == json.loads((out / "arms/powersgd/run.json").read_text())[
+        "prepared_identity"]
+    # Another model scored under the seed's name is not the seed the record commits.
+    wrong = {**evals, "seed": out / "eval" / "dense"}
+    wrong.pop("base")
+    with pytest.raises(ValidationError, match="0 evaluations scored the model the record commits as the seed"):
+        validate(out / "arms" / "powersgd", tiny_tokenizer(), wrong, record=record, plan_path=study["plan"])
+
+    # A copy of the run whose prepared/ files were edited, then one whose plan (and its recorded hash) was.
+    run = tmp_path / "run"
+    shutil.copytree(out / "arms" / "powersgd", run, ignore=shutil.ignore_patterns("model", "states"))
+    sets = json.loads((run / "prepared/sets.json").read_text())
+    (run / "prepared/sets.json").write_text(json.dumps({**sets, "eval_case_ids": sets["eval_case_ids"][::-1]}))
+    with pytest.raises(ValidationError, match="a file under .* was changed"):
+        validate(run, tiny_tokenizer(), evals, record=record, plan_path=run / "plan.toml")
+    shutil.copyfile(out / "arms/powersgd/prepared/sets.json", run / "prepared/sets.json")
+    (run / "plan.toml").write_text((run / "plan.toml").read_text().replace("eval_seed = 7007", "eval_seed = 7008"))
+    from nshard.files import file_sha256
+
+    body = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**body, "plan_sha256": file_sha256(run / "plan.toml")}))
+    with pytest.raises(ValidationError, match="rebuilding the inputs from the plan gives identity .* evaluation or "
+                                              "retention sets differ"):
+        validate(run, tiny_tokenizer(), evals, record=record, plan_path=run / "plan.toml")
+
+
+def test_forged_retention_changes_fail_validation(study, tmp_path):
+    """Changes of -5 nats, first with the summary claiming no seed losses were used, then with it true."""
+    record = load_commitment(study["out"] / "commitment.json")
+
+    def forge(rows):
+        for row in rows:
+            row["change_nats_per_token"] = -5.0
+    run = study["out"] / "arms" / "powersgd"
+    evals = copy_eval(study, tmp_path / "a", "powersgd", "retention.jsonl", forge, with_seed_retention=False)
+    with pytest.raises(ValidationError, match="powersgd: summary.json: scored without the seed's retention losses"):
+        validate(run, tiny_tokenizer(), evals, record=record, plan_path=study["plan"])
+    evals = copy_eval(study, tmp_path / "b", "powersgd", "retention.jsonl", forge)
+    with pytest.raises(ValidationError, match=r"powersgd: retention .*: change -5.0 != recomputed"):
+        validate(run, tiny_tokenizer(), evals, record=record, plan_path=study["plan"])
+
+
+def test_regeneration_catches_answers_the_model_does_not_give(study, tmp_path):
+    """A stored answer cut to its first token, text and flag made consistent: only generating again shows it."""
+    from nshard import tasks
+    from nshard.study.evaluate import case_from_id
+
+    out = study["out"]
+    validation = json.loads((out / "validation.json").read_text())
+    assert validation["regenerated"]["machine"]["cpu_capability"] and validation["regenerated"]["models"]["powersgd"][
+        "cases"] > 0
+    tokenizer = tiny_tokenizer()
+
+    def cut(rows):
+        row = next(r for r in rows if len(r["generated_ids"]) >= 2)
+        row["generated_ids"] = row["generated_ids"][:1]
+        row["generated_text"] = tokenizer.decode(row["generated_ids"], skip_special_tokens=True)
+        row["correct"] = tasks.score(case_from_id(row["case_id"]), row["generated_text"])
+        cut.case = row["case_id"]
+    evals = copy_eval(study, tmp_path, "powersgd", "cases.jsonl", cut)
+    rows = read_jsonl(evals["powersgd"] / "cases.jsonl")
+    per_family = {}
+    for r in rows:
+        fam = per_family.setdefault(r["family"], {"correct": 0, "cases": 0})
+        fam["cases"] += 1
+        fam["correct"] += r["correct"]
+    summary = json.loads((evals["powersgd"] / "summary.json").read_text())
+    (evals["powersgd"] / "summary.json").write_text(json.dumps({**summary, "per_family": per_family}))
+    record = load_commitment(out / "commitment.json")
+    run = out / "arms" / "powersgd"
+    validate(run, tokenizer, evals, record=record, plan_path=study["plan"])  # the stored files agree with each other
+    with pytest.raises(ValidationError, match=f"powersgd: {cut.case}: regenerated answer differs at generated token 1: "
+                                              "the file has end, generated again"):
+        validate(run, tokenizer, evals, record=record, plan_path=study["plan"], regenerate_batches=8)
+
+
 def test_an_edited_commitment_is_refused(study, tmp_path):
     body = json.loads((study["out"] / "commitment.json").read_text())
     body["candidates"][0]["parameter_root"] = "0" * 64

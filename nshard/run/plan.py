@@ -158,6 +158,9 @@ class StudySection:
     """Greedy generation stops after this many new tokens (or at the end-of-turn token)."""
     eval_batch_size: int = 16
     """Prompts generated together (left-padded); 16 keeps two CPU cores busy."""
+    validate_regenerate_batches: int = 1
+    """Validation generates this many scoring batches of every model again and compares the token ids
+    (and scores as many batches of retention documents again); 0 skips it."""
 
     def __post_init__(self):
         names = [a.name for a in self.arms]
@@ -170,6 +173,9 @@ class StudySection:
                 raise PlanError(f"study.{key}={getattr(self, key)!r} is not an arm; arms are {names}")
         _positive("study.eval_max_new_tokens", self.eval_max_new_tokens)
         _positive("study.eval_batch_size", self.eval_batch_size)
+        if type(self.validate_regenerate_batches) is not int or self.validate_regenerate_batches < 0:
+            raise PlanError(f"study.validate_regenerate_batches={self.validate_regenerate_batches!r}: give a whole "
+                            "number of batches, 0 or more (0 skips the regeneration check)")
 
     def arm(self, name: str) -> ArmSpec:
         return next(a for a in self.arms if a.name == name)

@@ -95,10 +95,13 @@ class Receipt:
     """GPU runs: each update's peaks (reset at its start); empty on the CPU."""
     gpu_phases: dict = field(default_factory=dict)
     """GPU runs: peak allocated and reserved bytes per phase ("setup", "updates", "export"), max over resumes."""
+    deepspeed_grad_bytes: int = 0
+    """Bytes DeepSpeed's own gradient collectives carried (its comms logger's count), whatever seam was installed."""
 
     def record_update(self, seconds: float, grad_bytes: int, other_bytes: int, compressed: bool,
-                      gpu: dict | None = None) -> None:
+                      gpu: dict | None = None, deepspeed_grad_bytes: int = 0) -> None:
         self.update_s.append(seconds)
+        self.deepspeed_grad_bytes += deepspeed_grad_bytes
         self.update_grad_bytes.append(grad_bytes)
         self.update_compressed.append(compressed)
         self.update_parameter_bytes.append(other_bytes)

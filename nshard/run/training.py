@@ -158,7 +158,8 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
         counts = counter.take()
         reducer_bytes = seam.last_update_bytes()
         grad_bytes = counts["deepspeed_grad_bytes"] + reducer_bytes
-        receipt.record_update(seconds, grad_bytes, counts["other_bytes"], compressed, gpu_peaks.take())
+        receipt.record_update(seconds, grad_bytes, counts["other_bytes"], compressed, gpu_peaks.take(),
+                              deepspeed_grad_bytes=counts["deepspeed_grad_bytes"])
         loss = global_loss(local_nll, batch, prepared, engine.device)
         log.write({"update": update + 1, "loss": loss, "lr": lr, "update_s": seconds, "compressed": compressed,
                    "grad_bytes": grad_bytes, "deepspeed_grad_bytes": counts["deepspeed_grad_bytes"],
@@ -174,6 +175,16 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
     receipt.active_s += time.perf_counter() - began - (receipt.state_s - state_s_before)
     log.close()
     return receipt
+
+
+def reduction_ran(seam, receipt: Receipt) -> dict:
+    """What reduced the gradients, from what ran: the nshard reducer's ledger (one record per reduce call, the
+    updates before a resume included) and the bytes DeepSpeed's comms logger saw its own gradient collectives
+    carry. Under an nshard reducer DeepSpeed's count holds only its scalar checks (tens of bytes per update)."""
+    records = seam.ledger.records if seam.ledger is not None else []
+    return {"configured": seam.name, "nshard_reducer_calls": len(records),
+            "nshard_compressed_calls": sum(1 for r in records if r["compressed"]),
+            "deepspeed_grad_bytes": receipt.deepspeed_grad_bytes, "deepspeed_comms_logged": patches.comms_logged()}
 
 
 def _sync() -> None:
@@ -237,6 +248,7 @@ def run_training(run: Run, overwrite: bool = False, resume_from: Path | None = N
     extra = {"zero_stage": engine_mod.zero_stage(engine), "reducer": seam.name,
              "prepared_identity": identity, "comms_logged": patches.comms_logged(),
              "parameter_all_gather": patches.parameter_all_gather(engine),
+             "reduction_ran": reduction_ran(seam, receipt),
              **patches.optimizer_memory(engine), "device": str(engine.device),
              "optimizer": patches.optimizer_classes(engine), "determinism": determinism}
     body = receipt.finish(run.out / "receipts" / f"rank-{run.rank}.json", root, active_plus_checkpoint, extra)

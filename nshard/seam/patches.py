@@ -101,22 +101,38 @@ def _zero_grads_in_place(module: torch.nn.Module) -> None:
             p.grad.zero_()
 
 
-def gather_parameters_in_place() -> None:
-    """On gloo, DeepSpeed's partitioned optimizers (ZeRO-1/2, BF16_Optimizer) end each step with an
-    all-gather of the updated weights through nshard/seam/param_gather.py's ring of isend/irecv straight
-    into the flat weights, instead of torch's all_gather_into_tensor, which gloo stages whole (one more copy
-    of the weights per rank at the end of every step) and runs ~3x slower. The same bytes land in the same
-    places, so the model is unchanged bit for bit. Sends are logged (PARAMETER_GATHER_LOG_NAME), so the
-    receipts count them. Where the all-gather is native (NCCL), nothing changes. The switch is process-wide
-    (one engine per process); parameter_all_gather reports it.
+GATHER_CALLS = {"ring": {"calls": 0, "bytes_sent": 0}, "deepspeed": {"calls": 0}}
+"""Calls of the weights' all-gather that actually ran in this process, by path (what the receipt reports)."""
+_DEEPSPEED_GATHER = {}  # the module's own all_gather_dp_groups, kept before the first switch
+
+
+def install_parameter_gather(ring: bool) -> None:
+    """DeepSpeed's partitioned optimizers (ZeRO-1/2, BF16_Optimizer) end each step with an all-gather of the
+    updated weights (deepspeed.runtime.utils.all_gather_dp_groups, imported into both modules).
+
+    ring=True on gloo: nshard/seam/param_gather.py's ring of isend/irecv straight into the flat weights, instead
+    of torch's all_gather_into_tensor, which gloo stages whole (one more copy of the weights per rank at the
+    end of every step) and runs ~3x slower. The same bytes land in the same places, so the model is unchanged
+    bit for bit. Sends are logged (PARAMETER_GATHER_LOG_NAME), so the receipts count them.
+    Otherwise (NCCL, where the all-gather is native, or the reference switch): DeepSpeed's own function, only
+    counted. Either way every call is counted in GATHER_CALLS, and the receipt reports what ran, not what was
+    installed. The switch is process-wide (one engine per process).
     """
     import torch.distributed as dist
     from deepspeed.runtime import bf16_optimizer
     from deepspeed.runtime.zero import stage_1_and_2
 
-    if dist.get_backend() == "gloo":
-        for module in (stage_1_and_2, bf16_optimizer):
+    for module in (stage_1_and_2, bf16_optimizer):
+        original = _DEEPSPEED_GATHER.setdefault(module.__name__, module.all_gather_dp_groups)
+        if ring and dist.get_backend() == "gloo":
             module.all_gather_dp_groups = _all_gather_dp_groups_in_place
+        else:
+            module.all_gather_dp_groups = functools.partial(_counted_deepspeed_gather, original)
+
+
+def _counted_deepspeed_gather(original, *args, **kwargs):
+    GATHER_CALLS["deepspeed"]["calls"] += 1
+    return original(*args, **kwargs)
 
 
 def _all_gather_dp_groups_in_place(groups_flat, partitioned_param_groups, dp_process_group, start_alignment_factor,
@@ -128,21 +144,28 @@ def _all_gather_dp_groups_in_place(groups_flat, partitioned_param_groups, dp_pro
 
     from nshard.seam.param_gather import ring_all_gather_
 
+    GATHER_CALLS["ring"]["calls"] += 1
     send = functools.partial(ds_comm.isend, log_name=PARAMETER_GATHER_LOG_NAME)
     for group_id, partitions in enumerate(partitioned_param_groups):
-        ring_all_gather_(partitions, dp_process_group[group_id], isend=send, irecv=dist.irecv)
+        GATHER_CALLS["ring"]["bytes_sent"] += ring_all_gather_(partitions, dp_process_group[group_id], isend=send,
+                                                               irecv=dist.irecv)
+
+
+GATHER_PATHS = {"ring": "isend/irecv ring into the flat weights", "deepspeed": "deepspeed all_gather_dp_groups"}
 
 
 def parameter_all_gather(engine) -> dict | None:
-    """How the partitioned optimizer gathers the updated weights in this process, for the receipt (None: no
-    partitioned optimizer)."""
-    from deepspeed.runtime.zero import stage_1_and_2
-
+    """Which all-gather of the updated weights ran in this process, from the counted calls (None: no partitioned
+    optimizer). `call` names the path whose calls ran ("none counted" if neither ran: DeepSpeed gathered by a
+    path nshard does not see, or no step was taken); `calls` has the counts of both."""
     if not partitioned_optimizer(engine):
         return None
-    if stage_1_and_2.all_gather_dp_groups is _all_gather_dp_groups_in_place:
-        return {"call": "isend/irecv ring into the flat weights", "log_name": PARAMETER_GATHER_LOG_NAME}
-    return {"call": "deepspeed all_gather_dp_groups"}
+    ran = [path for path, counts in GATHER_CALLS.items() if counts["calls"]]
+    call = " and ".join(GATHER_PATHS[p] for p in ran) if ran else "none counted"
+    body = {"call": call, "calls": {p: dict(c) for p, c in GATHER_CALLS.items()}}
+    if "ring" in ran:
+        body["log_name"] = PARAMETER_GATHER_LOG_NAME
+    return body
 
 
 def partitioned_optimizer(engine) -> bool:

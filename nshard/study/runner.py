@@ -230,7 +230,8 @@ def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = Fals
         say("EXPLORATORY: scoring without a commitment; every output says so")
     evals = score_all(plan, out, seed_dir, done, record)
     tokenizer = load_tokenizer(ModelRef(str(seed_dir), str(seed_dir), None, "local"))
-    study["validation"] = validate(next(iter(done.values())), tokenizer, evals)
+    study["validation"] = validate(next(iter(done.values())), tokenizer, evals, record=record, plan_path=plan_path,
+                                   regenerate_batches=plan.study.validate_regenerate_batches)
     write_json_atomic(out / "validation.json", study["validation"])
     say(f"validation passed: {len(evals)} models x {study['validation']['case_ids']} cases re-checked")
     study["train_s"], study["total_s"] = train_s, time.perf_counter() - t0

@@ -1,19 +1,31 @@
 """Post-scoring validation: a separate pass that trusts nothing the evaluation wrote.
 
-    python -m nshard.study.validate --run RUN_DIR --tokenizer MODEL_DIR EVAL_DIR [EVAL_DIR ...]
+    python -m nshard.study.validate --run RUN_DIR --tokenizer MODEL_DIR [--commitment C.json] [--plan PLAN]
+        [--regenerate-batches K] EVAL_DIR [EVAL_DIR ...]
 
-For every case it rebuilds the case from its ID, re-renders and re-tokenizes the prompt, checks that
-the expected answer is not inside the model input, decodes the stored token ids and compares them
-with the stored text, and re-scores the text. Across evaluations it checks that every model was
-scored on the same case IDs and retention documents, and that every loss is finite. The first
-disagreement stops with a message that names the evaluation and the case.
+Prepared inputs: it rebuilds the training documents, schedule and evaluation sets from the plan (the
+run's plan.toml unless --plan names the study's) and compares their identity with the run's, and it
+recomputes that identity from the files under prepared/ that scoring read.
+Cases: it rebuilds every case from its ID, re-renders and re-tokenizes the prompt, checks that the
+expected answer is not inside the model input, decodes the stored token ids and compares them with the
+stored text, and re-scores the text; every evaluation must hold the same case IDs.
+Retention: every candidate's change is recomputed from its own and the seed's stored losses; the seed is
+the evaluation whose model files the commitment record names as the seed (by label only without a record).
+Regeneration (K > 0): K batches of each model's greedy answers are generated again, in the batches scoring
+used, and their token ids compared; as many retention documents are scored again. A differing token is
+named with its two scores. Greedy decoding is deterministic on one kind of CPU; on another, a near-tie can
+flip, so the result names the machine the check ran on.
+The first disagreement stops with a message that names the evaluation and the case.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
+import platform
+import random
 import sys
 from pathlib import Path
 
@@ -76,6 +88,7 @@ def check_cases(label: str, rows: list[dict], case_ids: list[str], tokenizer) ->
 
 
 def check_retention(label: str, rows: list[dict], retention: list[dict], seed_rows: dict | None) -> None:
+    """IDs, finiteness and target weights of every row; with the seed's rows, each change is recomputed."""
     if [r.get("doc_id") for r in rows] != [d["doc_id"] for d in retention]:
         _fail(label, "retention.jsonl", "retention document IDs differ from the run's retention set")
     for row, doc in zip(rows, retention):
@@ -89,6 +102,8 @@ def check_retention(label: str, rows: list[dict], retention: list[dict], seed_ro
         if seed_rows is None:
             continue
         seed = seed_rows[doc["doc_id"]]["nll_sum"]
+        if not math.isfinite(seed):
+            _fail(label, where, f"the seed's loss {seed} is not finite")
         if row.get("seed_nll_sum") != seed:
             _fail(label, where, f"seed loss {row.get('seed_nll_sum')} differs from the seed's own {seed}")
         change = (row["nll_sum"] - seed) / weight
@@ -96,48 +111,208 @@ def check_retention(label: str, rows: list[dict], retention: list[dict], seed_ro
             _fail(label, where, f"change {row.get('change_nats_per_token')} != recomputed {change}")
 
 
-def validate(run_dir: Path, tokenizer, eval_dirs: dict[str, Path], seed_label: str | None = "seed") -> dict:
-    """Validate every evaluation directory against the run's prepared sets; returns the recounts."""
+def machine() -> dict:
+    """Where a regeneration check ran: its result holds for this kind of CPU (or GPU) and these kernels."""
+    import torch
+
+    return {"machine": platform.machine(), "processor": platform.processor() or None,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+            "python": platform.python_version()}
+
+
+def stored_identity(run_dir: Path) -> str:
+    """The prepared identity recomputed from the files under prepared/ (what scoring reads)."""
+    from nshard.run.data import Prepared, prepared_identity
+
+    prepared = Path(run_dir) / "prepared"
+    docs = [json.loads(line) for line in (prepared / "documents.jsonl").read_text().splitlines() if line.strip()]
+    schedule = json.loads((prepared / "schedule.json").read_text())
+    sets = json.loads((prepared / "sets.json").read_text())
+    rows = [Prepared(d["doc_id"], d["input_ids"], d["weights"]) for d in docs]
+    return prepared_identity(rows, schedule, sets)
+
+
+def rebuild_prepared(run_dir: Path, plan_path: Path | None, tokenizer) -> dict:
+    """The run's prepared identity three ways: recorded, recomputed from prepared/'s files, rebuilt from the plan."""
+    from nshard.files import file_sha256
+    from nshard.run import data as data_mod
+    from nshard.run.device import run_placement
+    from nshard.run.models import resolve_model
+    from nshard.run.plan import load_plan
+    from nshard.run.replay import replay_documents
+
+    run_dir = Path(run_dir)
+    run = json.loads((run_dir / "run.json").read_text())
+    plan_path = Path(plan_path or run_dir / "plan.toml")
+    if file_sha256(plan_path) != run.get("plan_sha256"):
+        _fail("prepared", str(plan_path), f"plan sha256 {file_sha256(plan_path)[:16]} is not the one "
+                                          f"{run_dir / 'run.json'} records ({str(run.get('plan_sha256'))[:16]})")
+    recorded = json.loads((run_dir / "prepared" / "identity.json").read_text())["prepared_identity"]
+    if recorded != run.get("prepared_identity"):
+        _fail("prepared", "identity.json", f"{recorded[:16]} differs from run.json's {run.get('prepared_identity')}")
+    from_files = stored_identity(run_dir)
+    if from_files != recorded:
+        _fail("prepared", "documents.jsonl/schedule.json/sets.json",
+              f"recompute to identity {from_files[:16]}, not the recorded {recorded[:16]}: a file under "
+              f"{run_dir / 'prepared'} was changed")
+    plan = load_plan(plan_path)
+    ref = resolve_model(plan.model.spec)
+    ds_config = json.loads((run_dir / "ds_config.json").read_text())
+    replay = replay_documents(plan, ref, tokenizer, run_placement(ds_config))
+    *_, sets, rebuilt = data_mod.prepare(plan, tokenizer, replay)
+    if rebuilt != recorded:
+        stored_sets = json.loads((run_dir / "prepared" / "sets.json").read_text())
+        what = "its evaluation or retention sets differ" if sets != stored_sets else "its documents or schedule differ"
+        _fail("prepared", str(plan_path), f"rebuilding the inputs from the plan gives identity {rebuilt[:16]}, the "
+                                          f"run recorded {recorded[:16]} ({what})")
+    return {"prepared_identity": recorded, "rebuilt_from": str(plan_path), "recomputed_from_files": True}
+
+
+def _salt(*parts) -> int:
+    return int(hashlib.sha256("/".join(map(str, parts)).encode()).hexdigest()[:16], 16)
+
+
+def regenerate(label: str, summary: dict, rows: list[dict], retention_rows: list[dict], sets, run_dir: Path,
+               tokenizer, batches: int) -> dict:
+    """Generate `batches` of the model's scoring batches again (same members, same padding) and compare the
+    token ids; score as many retention documents again. The batches are drawn from the model's files' hash."""
+    from nshard.evidence.commit import model_files
+    from nshard.run.device import load_for_inference
+    from nshard.run.models import ModelRef
+    from nshard.study.evaluate import generate_answers, run_placement
+
+    model_dir = Path(summary["model_dir"])
+    if model_files(model_dir) != summary.get("model_files"):
+        _fail(label, str(model_dir), "the model's files are not the ones this evaluation scored")
+    inputs = [r["input_ids"] for r in rows]
+    bs = summary.get("batch_size") or 16
+    order = sorted(range(len(inputs)), key=lambda i: (-len(inputs[i]), i))  # as evaluate.generate_answers batches
+    all_batches = [order[s:s + bs] for s in range(0, len(order), bs)]
+    rng = random.Random(_salt(label, json.dumps(summary["model_files"], sort_keys=True)))
+    chosen = sorted(rng.sample(range(len(all_batches)), min(batches, len(all_batches))))
+    model = load_for_inference(ModelRef(str(model_dir), str(model_dir.resolve()), None, "local"), run_placement(run_dir))
+    checked = 0
+    for b in chosen:
+        members = all_batches[b]
+        again = generate_answers(model, tokenizer, [inputs[i] for i in members], summary["max_new_tokens"], len(members),
+                                 desc=f"{label}: regenerate")
+        for i, ids in zip(members, again):
+            stored = rows[i]["generated_ids"]
+            if ids != stored:
+                _fail(label, rows[i]["case_id"], _first_token_difference(model, inputs[i], stored, ids))
+            checked += 1
+    docs = rng.sample(range(len(sets.retention)), min(batches * bs, len(sets.retention)))
+    from nshard.study.evaluate import retention_losses
+
+    for i, again in zip(docs, retention_losses(model, [sets.retention[i] for i in docs], desc=f"{label}: rescore")):
+        stored = retention_rows[i]["nll_sum"]
+        if not math.isclose(again["nll_sum"], stored, rel_tol=1e-5, abs_tol=1e-6):
+            _fail(label, f"retention {again['doc_id']}", f"scored again, its loss is {again['nll_sum']!r}; "
+                                                         f"the file says {stored!r}")
+    return {"batches": chosen, "cases": checked, "retention_docs": len(docs)}
+
+
+def _first_token_difference(model, prompt: list[int], stored: list[int], again: list[int]) -> str:
+    """The first position where two greedy continuations part, with the model's scores of both tokens there."""
+    import torch
+
+    k = next((j for j, (a, b) in enumerate(zip(stored, again)) if a != b), min(len(stored), len(again)))
+    a = stored[k] if k < len(stored) else None
+    b = again[k] if k < len(again) else None
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + stored[:k]], device=model.device), use_cache=False).logits[0, -1]
+    score = lambda t: "end" if t is None else f"{t} (score {logits[t].item():.6g})"  # noqa: E731
+    return (f"regenerated answer differs at generated token {k}: the file has {score(a)}, generated again "
+            f"{score(b)}; on another kind of CPU a near-tie can flip, see the machine in the validation record")
+
+
+def find_seed(eval_dirs: dict[str, Path], summaries: dict[str, dict], record: dict | None,
+              seed_label: str = "seed") -> str | None:
+    """The evaluation of the seed model: the one whose files the record commits as the seed (by label without one)."""
+    if record is None:
+        return seed_label if seed_label in eval_dirs else None
+    named = [label for label, s in summaries.items() if s.get("model_files") == record["seed"]["files"]]
+    if len(named) != 1:
+        _fail("seed", "commitment.json", f"{len(named)} evaluations scored the model the record commits as the seed "
+                                         f"({named}); exactly one must")
+    return named[0]
+
+
+def validate(run_dir: Path, tokenizer, eval_dirs: dict[str, Path], *, record: dict | None = None,
+             plan_path: Path | None = None, rebuild: bool = True, regenerate_batches: int = 0) -> dict:
+    """Validate every evaluation directory against the run's prepared sets; returns the recounts.
+    record: the study's commitment (finds the seed); plan_path: the plan the prepared inputs are rebuilt from."""
+    run_dir = Path(run_dir)
+    prepared = rebuild_prepared(run_dir, plan_path, tokenizer) if rebuild else None
     try:
         sets = load_run_sets(run_dir)
     except EvalError as exc:
         raise ValidationError(f"validation failed: {exc}") from None
     case_ids = [c.case_id for c in sets.cases]
+    summaries = {}
+    for label, d in eval_dirs.items():
+        if not (Path(d) / "summary.json").is_file():
+            _fail(label, str(d), "no summary.json: the evaluation did not finish")
+        summaries[label] = json.loads((Path(d) / "summary.json").read_text())
+    seed_label = find_seed(eval_dirs, summaries, record)
     seed_rows = None
-    if seed_label in eval_dirs:
+    if seed_label is not None:
         seed_rows = {r["doc_id"]: r for r in read_jsonl(Path(eval_dirs[seed_label]) / "retention.jsonl")}
-    report = {}
+    report, regenerated = {}, {}
     for label, d in eval_dirs.items():
         d = Path(d)
-        if not (d / "summary.json").is_file():
-            _fail(label, str(d), "no summary.json: the evaluation did not finish")
-        summary = json.loads((d / "summary.json").read_text())
+        summary = summaries[label]
         if summary.get("prepared_identity") != sets.prepared_identity:
             _fail(label, "summary.json", "scored against another run's prepared sets")
-        per_family = check_cases(label, read_jsonl(d / "cases.jsonl"), case_ids, tokenizer)
+        rows = read_jsonl(d / "cases.jsonl")
+        per_family = check_cases(label, rows, case_ids, tokenizer)
         if per_family != summary.get("per_family"):
             _fail(label, "summary.json", f"per-family counts {summary.get('per_family')} != recount {per_family}")
         is_seed = label == seed_label
-        check_retention(label, read_jsonl(d / "retention.jsonl"), sets.retention,
-                        None if is_seed or not summary.get("with_seed_retention") else seed_rows)
+        if not is_seed and seed_rows is None:
+            _fail(label, "retention.jsonl", "no seed evaluation to recompute its retention change against")
+        if not is_seed and not summary.get("with_seed_retention"):
+            _fail(label, "summary.json", "scored without the seed's retention losses; score it with --seed-eval")
+        retention_rows = read_jsonl(d / "retention.jsonl")
+        check_retention(label, retention_rows, sets.retention, None if is_seed else seed_rows)
+        if regenerate_batches > 0:
+            regenerated[label] = regenerate(label, summary, rows, retention_rows, sets, run_dir, tokenizer,
+                                            regenerate_batches)
         report[label] = {"cases": len(case_ids), "correct": sum(f["correct"] for f in per_family.values()),
                          "retention_docs": len(sets.retention)}
-    return {"passed": True, "prepared_identity": sets.prepared_identity, "case_ids": len(case_ids),
-            "evaluations": report}
+    out = {"passed": True, "prepared_identity": sets.prepared_identity, "case_ids": len(case_ids),
+           "seed": seed_label, "seed_found_by": "record" if record is not None else "label",
+           "prepared": prepared, "evaluations": report}
+    if regenerate_batches > 0:
+        out["regenerated"] = {"machine": machine(), "models": regenerated}
+    return out
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", required=True, type=Path, help="run directory whose prepared/ sets were scored")
     parser.add_argument("--tokenizer", required=True, type=Path, help="model directory with the tokenizer")
+    parser.add_argument("--commitment", type=Path, help="the study's commitment record (finds the seed by its files)")
+    parser.add_argument("--plan", type=Path, help="plan to rebuild the prepared inputs from (default: RUN/plan.toml)")
+    parser.add_argument("--regenerate-batches", type=int, default=0, metavar="K",
+                        help="generate K scoring batches of every model again and compare token ids (default 0)")
     parser.add_argument("evals", nargs="+", type=Path, help="evaluation directories (label = directory name)")
     args = parser.parse_args(argv)
+    from nshard.evidence.commit import CommitError, load_commitment
     from nshard.run.models import ModelRef, load_tokenizer
 
+    if args.regenerate_batches < 0:
+        print("nshard.validate: error: --regenerate-batches must be 0 or more", file=sys.stderr)
+        return 2
     tokenizer = load_tokenizer(ModelRef(str(args.tokenizer), str(args.tokenizer.resolve()), None, "local"))
     try:
-        report = validate(args.run, tokenizer, {d.name: d for d in args.evals})
-    except ValidationError as exc:
+        record = load_commitment(args.commitment) if args.commitment else None
+        report = validate(args.run, tokenizer, {d.name: d for d in args.evals}, record=record, plan_path=args.plan,
+                          regenerate_batches=args.regenerate_batches)
+    except CommitError as exc:
+        print(f"nshard.validate: error: {exc}", file=sys.stderr)
+        return 2
+    except (ValidationError, OSError) as exc:
         print(f"nshard.validate: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(report))
