@@ -203,7 +203,10 @@ def quality_screen(candidate: dict, seed: dict, comparisons: list[dict], failed_
     return {"passed": all(c["passed"] for c in conds), "conditions": conds}
 
 
-def speed_screen(arms: list[dict], candidate: str, baseline: str, screens: dict) -> dict:
+def speed_screen(arms: list[dict], candidate: str, baseline: str, screens: dict, placement: dict | None) -> dict:
+    """The candidate's complete-process speedup over the baseline. Where the placement cannot time the arms as
+    the reference did (ranks sharing one machine's cores, no link), the ratios are still shown as measured, but
+    the screen is not comparable: passed is None, with the reason, never a failing (or passing) ratio."""
     by_name = {a["name"]: a for a in arms}
     base = by_name[baseline]
     speedups = {}
@@ -217,7 +220,12 @@ def speed_screen(arms: list[dict], candidate: str, baseline: str, screens: dict)
     value = speedups.get(candidate, {}).get("complete_process")
     conds = [condition(f"complete-process speedup of {candidate} over {baseline}", value,
                        screens["min_speedup"], ">=")]
-    return {"passed": conds[0]["passed"], "conditions": conds, "speedups": speedups}
+    if placement is not None and not placement.get("comparable", True):
+        for c in conds:
+            c["passed"] = None
+        return {"passed": None, "comparable": False, "why": placement.get("why"), "conditions": conds,
+                "speedups": speedups}
+    return {"passed": conds[0]["passed"], "comparable": True, "conditions": conds, "speedups": speedups}
 
 
 # ---------------------------------------------------------------- assembling
@@ -284,7 +292,7 @@ def analyze(study_dir: Path) -> dict:
     evidence = {"commitment_sha256": commitment_sha, "prepared_identity": identity,
                 "parameter_roots": {a["name"]: a["parameter_root"] for a in arms}, "exploratory": exploratory}
     quality = quality_screen(candidate, seed, comparisons, failed_controls, screens)
-    speed = speed_screen(arms, study["candidate"], study["speed_baseline"], screens)
+    speed = speed_screen(arms, study["candidate"], study["speed_baseline"], screens, study.get("placement"))
     return {
         "exploratory": exploratory, "exploratory_reasons": exploratory_reasons,
         "commitment_sha256": commitment_sha,
@@ -292,7 +300,7 @@ def analyze(study_dir: Path) -> dict:
         "prepared_identity": identity,
         "plan_sha256": study["plan_sha256"], "candidate": study["candidate"],
         "speed_baseline": study["speed_baseline"], "screens_declared": screens,
-        "validation": study.get("validation"),
+        "validation": study.get("validation"), "placement": study.get("placement"),
         "seed": seed, "arms": arms, "comparisons": comparisons,
         "screens": {"quality": {**quality, "evidence": evidence}, "speed": {**speed, "evidence": evidence}},
     }
@@ -363,7 +371,8 @@ def screen_lines(screen: dict) -> list[str]:
     for c in screen["conditions"]:
         value = c["value"]
         shown = f"{value:+.4f}" if isinstance(value, float) else str(value)
-        out.append(f"- {'PASS' if c['passed'] else 'FAIL'}: {c['name']} = {shown} (needs {c['rule']})")
+        verdict = "NOT COMPARABLE" if c["passed"] is None else "PASS" if c["passed"] else "FAIL"
+        out.append(f"- {verdict}: {c['name']} = {shown} (needs {c['rule']})")
     return out
 
 
@@ -374,6 +383,14 @@ def render_report(results: dict) -> str:
     lines = [f"# Study report{' (exploratory)' if results['exploratory'] else ''}", "", *([flag.strip(), ""] if flag else []),
              f"Candidate: `{results['candidate']}`. Commitment record: `{results['commitment_sha256']}`. "
              f"Prepared identity: `{results['prepared_identity']}`.", ""]
+    placement = results.get("placement")
+    if placement:
+        where = {"emulated": f"two emulated hosts on one machine, {placement.get('cores_per_host')} core(s) each, "
+                             f"link {placement.get('link')}",
+                 "hostfile": f"the hosts of {placement.get('hostfile')}",
+                 "local": "every rank on this machine"}[placement["kind"]]
+        lines += [f"Placement: {where}" + (f" (asked: {placement['requested']})" if placement.get("requested") else "")
+                  + ".", ""]
     if results.get("source"):
         lines += [f"Source commit: `{results['source']['commit']}` (dirty: {results['source']['dirty']}).", ""]
     lines += ["## Learning", "", learning_table(results), "",
@@ -392,8 +409,12 @@ def render_report(results: dict) -> str:
                              f"width; a single lost case would still clear the margin only with "
                              f"n ≥ {c['one_loss_passes_from_n']} cases (n = {c['n']}).")
         lines.append("")
-    lines += ["## Execution", "", execution_table(results), "",
-              f"Speed screen: **{'PASSED' if s['passed'] else 'FAILED'}**", "", *screen_lines(s), ""]
+    verdict = "NOT COMPARABLE" if s["passed"] is None else "PASSED" if s["passed"] else "FAILED"
+    lines += ["## Execution", "", execution_table(results), "", f"Speed screen: **{verdict}**", ""]
+    if s["passed"] is None:
+        lines += [f"The arms' times cannot be compared as the reference's were: {s.get('why')}. The ratios below "
+                  "are as measured.", ""]
+    lines += [*screen_lines(s), ""]
     for name, sp in s["speedups"].items():
         lines.append(f"- {name}: complete-process speedup {sp['complete_process']:.3f}×, active {sp['active']:.3f}×, "
                      f"{sp['device_seconds_ratio']:.3f}× the baseline's device seconds")
@@ -496,7 +517,7 @@ def main(argv=None) -> int:
         return 2
     print(learning_table(results))
     print(f"\nquality screen: {'PASSED' if results['screens']['quality']['passed'] else 'FAILED'}; "
-          f"speed screen: {'PASSED' if results['screens']['speed']['passed'] else 'FAILED'}")
+          f"speed screen: {({None: 'NOT COMPARABLE', True: 'PASSED', False: 'FAILED'})[results['screens']['speed']['passed']]}")
     return 0
 
 

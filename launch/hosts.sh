@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Two emulated hosts on this machine, for DeepSpeed's plain multi-node launch (pdsh over ssh).
-#   launch/hosts.sh up [RATE]   # RATE as tc writes it (100mbit, 1gbit); default: no limit. Prints the hostfile.
+#   launch/hosts.sh up [RATE] [CORES]   # RATE as tc writes it (100mbit, 1gbit; "none": no limit, the default).
+#                               # CORES: confine each host to that many cores of its own (a cpuset cgroup that
+#                               # its sshd and everything it starts inherit); default: no confinement.
+#                               # Prints the hostfile.
 #   launch/hosts.sh rate RATE   # change the limit of a running pair ("none" removes it)
 #   launch/hosts.sh down        # remove everything `up` made, also after a crashed `up`
 # Root only. Each host is a network namespace whose eth0 (198.51.100.1 and .2, documentation range)
@@ -14,6 +17,8 @@ hosts=(1 2)
 net=198.51.100
 bridge=nshard-br
 ns() { echo "nshard-h$1"; }
+cpusets=/sys/fs/cgroup/cpuset
+cpuset() { echo "$cpusets/nshard-h$1"; }  # host i's cores (cgroup v1 cpuset), when `up` was given CORES
 veth() { echo "nshard-v$1"; }  # the root-namespace end; the namespace's end is eth0
 include="Include $state/ssh_config"
 user_config=$HOME/.ssh/config
@@ -37,9 +42,34 @@ check_rate() {
   [[ $1 =~ ^[0-9]+(\.[0-9]+)?([kmgt]?bit|[kmgt]?bps)$ ]] || die "rate '$1' is not a tc rate: use e.g. 100mbit or 1gbit"
 }
 
+check_cores() {  # check_cores N: N whole cores per host, and this machine (its affinity) has 2N of them
+  [[ $1 =~ ^[1-9][0-9]*$ ]] || die "cores per host '$1' is not a whole number of cores (e.g. 1)"
+  [ -d "$cpusets" ] && [ -w "$cpusets" ] || die "no writable cgroup v1 cpuset controller at $cpusets; run without CORES"
+  local have
+  have=$(python3 -c 'import os; print(len(os.sched_getaffinity(0)))')
+  [ $(( $1 * ${#hosts[@]} )) -le "$have" ] \
+    || die "$1 cores for each of ${#hosts[@]} hosts needs $(( $1 * ${#hosts[@]} )) cores; this machine has $have"
+}
+
+confine() {  # confine I N: host I's sshd (and all it starts) on cores (I-1)*N .. I*N-1 of this machine's
+  local i=$1 n=$2 group pid tries=50
+  local cores
+  cores=$(python3 -c "import os; c = sorted(os.sched_getaffinity(0)); print(','.join(map(str, c[($i - 1) * $n:$i * $n])))")
+  group=$(cpuset "$i")
+  mkdir "$group"
+  echo "$cores" > "$group/cpuset.cpus"
+  cat "$cpusets/cpuset.mems" > "$group/cpuset.mems"
+  until pid=$(cat "$state/sshd-$i.pid" 2>/dev/null) && [ -n "$pid" ]; do  # sshd writes it once it listens
+    tries=$((tries - 1)); [ "$tries" -gt 0 ] || die "sshd of host $i wrote no pid file"; sleep 0.1
+  done
+  echo "$pid" > "$group/tasks"
+  echo "$cores" > "$state/cores-$i"
+}
+
 up() {
-  local rate=${1:-none}
+  local rate=${1:-none} cores=${2:-}
   [ "$rate" = none ] || check_rate "$rate"
+  [ -z "$cores" ] || check_cores "$cores"
   command -v pdsh >/dev/null && [ -x /usr/sbin/sshd ] \
     || die "needs Debian's pdsh and openssh-server: run launch/setup.sh as root (or apt-get install pdsh openssh-server)"
   if leftovers; then die "an earlier pair is still (partly) up: run launch/hosts.sh down first"; fi
@@ -64,6 +94,7 @@ up() {
     ip -n "$(ns "$i")" link set eth0 up
     shape "$(ns "$i")" "$rate"
     start_sshd "$i"
+    [ -z "$cores" ] || confine "$i" "$cores"
   done
   write_configs
   for i in "${hosts[@]}"; do wait_for_ssh "$net.$i"; done
@@ -124,6 +155,7 @@ leftovers() {  # true when anything `up` makes is still there
     ip link show "$(veth "$i")" >/dev/null 2>&1 && return 0
   done
   ip link show "$bridge" >/dev/null 2>&1 && return 0
+  for i in "${hosts[@]}"; do [ -d "$(cpuset "$i")" ] && return 0; done
   [ -f "$user_config" ] && grep -qxF "$include" "$user_config" && return 0
   [ -e "$state" ]
 }
@@ -146,6 +178,7 @@ down() {
     pid=$(cat "$state/sshd-$i.pid" 2>/dev/null || true)
     [ -n "$pid" ] && tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -qF "$state/sshd-$i.pid" && pids+=("$pid")
     [ -e "/run/netns/$(ns "$i")" ] && pids+=($(ip netns pids "$(ns "$i")" 2>/dev/null || true))
+    [ -d "$(cpuset "$i")" ] && pids+=($(cat "$(cpuset "$i")/tasks" 2>/dev/null || true))
   done
   if [ ${#pids[@]} -gt 0 ]; then
     kill "${pids[@]}" 2>/dev/null || true
@@ -166,8 +199,14 @@ down() {
   fi
   if [ -f "$state/created-ssh-dir" ]; then rmdir "$HOME/.ssh" 2>/dev/null || true; fi
   rm -rf "$state"
-  for _ in $(seq 50); do leftovers || return 0; sleep 0.1; done
-  die "could not remove everything (see: ip netns list; ip link show $bridge)"
+  for _ in $(seq 50); do
+    for i in "${hosts[@]}"; do  # a group can be removed once its last process has exited
+      [ -d "$(cpuset "$i")" ] && { rmdir "$(cpuset "$i")" 2>/dev/null || true; }
+    done
+    leftovers || return 0
+    sleep 0.1
+  done
+  die "could not remove everything (see: ip netns list; ip link show $bridge; ls $cpusets)"
 }
 
 [ "$(id -u)" = 0 ] || die "needs root (network namespaces, veth, tc, sshd)"
@@ -175,7 +214,7 @@ mkdir -p /run/lock
 exec 9> /run/lock/nshard-hosts.lock
 flock -w 120 9 || die "another launch/hosts.sh is running"
 case "${1:-}" in
-  up) up "${2:-}" ;;
+  up) up "${2:-}" "${3:-}" ;;
   down) down ;;
   rate)
     [ -n "${2:-}" ] || die "usage: launch/hosts.sh rate RATE|none"
@@ -184,5 +223,5 @@ case "${1:-}" in
       [ -e "/run/netns/$(ns "$i")" ] || die "the hosts are not up: run launch/hosts.sh up first"
       shape "$(ns "$i")" "$2"
     done ;;
-  *) die "usage: launch/hosts.sh up [RATE] | rate RATE|none | down" ;;
+  *) die "usage: launch/hosts.sh up [RATE|none] [CORES] | rate RATE|none | down" ;;
 esac

@@ -353,3 +353,18 @@ def test_forged_retention_changes_are_refused(tmp_path):
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     write_jsonl(path, [{**r, "change_nats_per_token": -5.0} for r in rows])
     assert "retention r0: the stored change -5.0 is not the one its losses give" in refused(root)
+
+
+def test_a_placement_that_cannot_time_the_arms_makes_the_speed_screen_not_comparable(tmp_path):
+    """Ranks sharing one machine's cores: the ratios are shown as measured, the screen decides nothing."""
+    root = make_study(tmp_path, candidate_correct=60, retention_shift=0.0, candidate_process_s=95.0)
+    study = json.loads((root / "study.json").read_text())
+    why = "every rank ran on this machine's CPU"
+    (root / "study.json").write_text(json.dumps({**study, "placement": {"kind": "local", "comparable": False,
+                                                                         "why": why}}))
+    results = write_outputs(root)
+    speed = results["screens"]["speed"]
+    assert speed["passed"] is None and speed["why"] == why and speed["conditions"][0]["passed"] is None
+    assert speed["speedups"]["powersgd"]["complete_process"] == 100.0 / 95.0
+    report = (root / "report.md").read_text()
+    assert "Speed screen: **NOT COMPARABLE**" in report and why in report and "- NOT COMPARABLE: complete-process" in report

@@ -20,8 +20,9 @@ HOSTS_SH = REPO / "launch" / "hosts.sh"
 NAMESPACES = {"198.51.100.1": "nshard-h1", "198.51.100.2": "nshard-h2"}
 LINKS = ("nshard-h1", "nshard-h2", "nshard-v1", "nshard-v2", "nshard-br")
 USER_SSH_CONFIG = Path.home() / ".ssh" / "config"
+CPUSETS = Path("/sys/fs/cgroup/cpuset")
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces, veth and sshd need root")
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces, veth and sshd need root (the not-root test drops it with setpriv)")
 
 
 def hosts_sh(*args, timeout=120) -> subprocess.CompletedProcess:
@@ -46,6 +47,7 @@ def what_is_left() -> list[str]:
         left.append(f"Include line in {USER_SSH_CONFIG}")
     if Path(state).exists():
         left.append(state)
+    left += [f"cpuset {g}" for g in sorted(CPUSETS.glob("nshard-h*"))]
     return left
 
 
@@ -173,3 +175,104 @@ def test_up_refuses_a_bad_rate_and_a_pair_already_up(user_ssh_config):
     finally:
         assert hosts_sh("down").returncode == 0
     assert_nothing_left()
+
+
+@pytest.mark.skipif(not CPUSETS.is_dir(), reason="no cgroup v1 cpuset controller")
+def test_each_host_gets_its_own_core_and_everything_it_starts_inherits_it(user_ssh_config):
+    """up none 1: each sshd in a cpuset of one core of its own; a process started over ssh sees that core only
+    (os.cpu_count() still says the machine's count: nshard sizes threads from the affinity); down removes the
+    groups."""
+    assert not what_is_left(), "another emulated pair is up: run launch/hosts.sh down"
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    up = hosts_sh("up", "none", "1")
+    try:
+        assert up.returncode == 0, up.stderr
+        seen = {}
+        for i, host in enumerate(NAMESPACES, start=1):
+            assert (CPUSETS / f"nshard-h{i}" / "cpuset.cpus").read_text().strip() == str(cores[i - 1])
+            pid = (REPO / "runs" / "hosts" / f"sshd-{i}.pid").read_text().strip()
+            assert pid in (CPUSETS / f"nshard-h{i}" / "tasks").read_text().split()
+            seen[host] = subprocess.run(["ssh", "-o", "BatchMode=yes", host, "python3", "-c",
+                                         "'import os; print(sorted(os.sched_getaffinity(0)))'"],
+                                        capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+        assert seen == {host: f"[{cores[i]}]" for i, host in enumerate(NAMESPACES)}
+    finally:
+        down = hosts_sh("down")
+        assert down.returncode == 0, down.stderr
+    assert_nothing_left()
+
+
+def test_up_refuses_more_cores_than_the_machine_has(user_ssh_config):
+    bad = hosts_sh("up", "none", str(len(os.sched_getaffinity(0))))
+    assert bad.returncode == 2 and "needs" in bad.stderr and "this machine has" in bad.stderr
+    assert hosts_sh("up", "none", "x").returncode == 2
+    assert_nothing_left()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CPUSETS.is_dir(), reason="no cgroup v1 cpuset controller")
+def test_a_study_with_emulated_placement_runs_each_arm_as_the_reference_did(user_ssh_config, tmp_path):
+    """The tiny study on two emulated hosts (a core each, a 1gbit link): the one-rank arm on the first host,
+    the two-rank arms across both, each rank on its own core; the speed screen compares them; nothing left."""
+    import sys
+
+    assert not what_is_left(), "another emulated pair is up: run launch/hosts.sh down"
+    (tmp_path / "dense.json").write_text(json.dumps(tiny_config("dense")))
+    (tmp_path / "powersgd.json").write_text(json.dumps(tiny_config("dense", nshard={
+        "reducer": "powersgd", "rank": 4, "dense_warmup_updates": 1})))
+    arms = "".join(f'\n[[study.arms]]\nname = "{n}"\nranks = {r}\nds_config = "{tmp_path / c}"\n'
+                   for n, r, c in (("one-rank", 1, "dense.json"), ("dense", 2, "dense.json"),
+                                   ("powersgd", 2, "powersgd.json")))
+    plan = tmp_path / "tiny-emulated.toml"
+    plan.write_text((REPO / "launch/plans/tiny.toml").read_text()
+                    + '\n[study]\ncandidate = "powersgd"\nspeed_baseline = "one-rank"\neval_max_new_tokens = 8\n'
+                    + 'placement = "emulated"\nlink = "1gbit"\ncores_per_host = 1\n' + arms)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "nshard.study", "--plan", str(plan), "--out", str(out)], cwd=REPO,
+                          env=run_env(), capture_output=True, text=True, timeout=1200)
+    assert_nothing_left()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    study = json.loads((out / "study.json").read_text())
+    placement = study["placement"]
+    assert placement["kind"] == "emulated" and placement["comparable"] and placement["link"] == "1gbit"
+    assert placement["hosts"] == list(NAMESPACES) and len(set(placement["cores"])) == 2
+    one = receipts(out / "arms" / "one-rank")
+    assert [r["host"] for r in one] == ["198.51.100.1"]
+    for arm in ("dense", "powersgd"):
+        rs = receipts(out / "arms" / arm)
+        assert [r["host"] for r in rs] == list(NAMESPACES) and rs[0]["net_namespace"] != rs[1]["net_namespace"]
+        assert all(r["link"]["kernel_tx_bytes"] > 0 for r in rs)
+    results = json.loads((out / "results.json").read_text())
+    speed = results["screens"]["speed"]
+    assert speed["comparable"] and isinstance(speed["passed"], bool)
+    dense_gb = next(a for a in results["arms"] if a["name"] == "dense")["execution"]["kernel_tx_bytes"]
+    psgd_gb = next(a for a in results["arms"] if a["name"] == "powersgd")["execution"]["kernel_tx_bytes"]
+    assert 0 < psgd_gb < dense_gb
+    report = (out / "report.md").read_text()
+    assert "Placement: two emulated hosts on one machine, 1 core(s) each, link 1gbit." in report
+    assert "emulated hosts down" in proc.stdout
+
+
+def test_without_root_an_emulated_placement_runs_locally_and_says_the_speed_screen_is_not_comparable(tmp_path):
+    """describe() run as an unprivileged user (setpriv to nobody): the arms would run on this machine, and the
+    placement says the speed screen is not comparable, and why."""
+    import shutil
+    import sys
+
+    if shutil.which("setpriv") is None:
+        pytest.skip("no setpriv")
+    plan = (REPO / "launch/plans/tiny.toml").read_text() + '\n[study]\nplacement = "emulated"\nlink = "1gbit"\n'
+    # The plan goes in on stdin: the unprivileged process cannot read root's pytest directories.
+    code = ("import json, pathlib, shutil, sys, tempfile; from nshard.run.plan import load_plan; "
+            "from nshard.study.placement import describe; d = pathlib.Path(tempfile.mkdtemp()); "
+            "(d / 'plan.toml').write_text(sys.stdin.read()); "
+            "print(json.dumps(describe(load_plan(d / 'plan.toml'), cuda=False))); shutil.rmtree(d)")
+    proc = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-c",
+                           code], cwd=REPO, input=plan, capture_output=True, text=True, timeout=120,
+                          env={**run_env(), "HOME": "/nonexistent", "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    placement = json.loads(proc.stdout)
+    assert placement["kind"] == "local" and placement["requested"] == "emulated"
+    assert placement["comparable"] is False and "need root" in placement["why"]

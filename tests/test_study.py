@@ -60,8 +60,11 @@ def test_the_study_writes_its_outputs_and_reports_the_failed_arm(study):
     broken = results["arms"][3]
     assert broken["status"] == "failed" and Path(broken["log"]).is_file()
     assert "nshard: error: " in Path(broken["log"]).read_text() and "nshard.rank is 0" in Path(broken["log"]).read_text()
-    for screen in ("quality", "speed"):
-        assert isinstance(results["screens"][screen]["passed"], bool) and results["screens"][screen]["conditions"]
+    assert isinstance(results["screens"]["quality"]["passed"], bool) and results["screens"]["quality"]["conditions"]
+    # Every rank on this machine's CPU: the speed screen says it cannot compare the arms, and why.
+    speed = results["screens"]["speed"]
+    assert speed["passed"] is None and not speed["comparable"] and "split the cores" in speed["why"]
+    assert results["placement"]["kind"] == "local" and speed["speedups"]["powersgd"]["complete_process"] > 0
     assert not results["screens"]["quality"]["passed"]  # a control failed: no non-inferiority claim against it
     record = load_commitment(out / "commitment.json")
     assert results["commitment_sha256"] == record["record_sha256"]
@@ -69,7 +72,8 @@ def test_the_study_writes_its_outputs_and_reports_the_failed_arm(study):
     assert json.loads((out / "validation.json").read_text())["passed"]
     assert "| Fresh task cases | seed | one-rank | dense | powersgd | broken |" in stdout
     report = (out / "report.md").read_text()
-    assert "Quality screen" in report and "Speed screen" in report and "**failed**" in report
+    assert "Quality screen" in report and "Speed screen: **NOT COMPARABLE**" in report and "**failed**" in report
+    assert "Placement: every rank on this machine." in report
     assert {p.name for p in (out / "plots").glob("*.png")} == {"accuracy_per_family.png", "loss_per_update.png",
                                                               "bytes_per_update.png"}
     receipts = [json.loads(p.read_text()) for p in (out / "arms/powersgd/receipts").glob("rank-*.json")]

@@ -8,6 +8,7 @@ documents, updates, screens, output).
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -153,7 +154,15 @@ class StudySection:
     speed_baseline: str = "one-rank"
     """The arm whose complete-process time the speed screen divides by."""
     hostfile: str = ""
-    """DeepSpeed hostfile for multi-rank arms; empty: all ranks on this machine (--num_gpus N)."""
+    """DeepSpeed hostfile for multi-rank arms (real hosts); empty: see placement."""
+    placement: str = "local"
+    """Without a hostfile: "local", every rank on this machine (--num_gpus N); "emulated", two hosts emulated on
+    this machine (launch/hosts.sh: a network namespace and `cores_per_host` cores each, joined by a link of
+    `link`), the one-rank arm on the first, the two-rank arms across both, as the reference ran them."""
+    link: str = "none"
+    """Emulated placement: the link's rate as tc writes it (100mbit, 1gbit), or "none" for no limit."""
+    cores_per_host: int = 1
+    """Emulated placement: the cores each host gets to itself (a cpuset cgroup)."""
     eval_max_new_tokens: int = 48
     """Greedy generation stops after this many new tokens (or at the end-of-turn token)."""
     eval_batch_size: int = 16
@@ -173,6 +182,15 @@ class StudySection:
                 raise PlanError(f"study.{key}={getattr(self, key)!r} is not an arm; arms are {names}")
         _positive("study.eval_max_new_tokens", self.eval_max_new_tokens)
         _positive("study.eval_batch_size", self.eval_batch_size)
+        if self.placement not in ("local", "emulated"):
+            raise PlanError(f"study.placement={self.placement!r}: use \"local\" (every rank on this machine) or "
+                            "\"emulated\" (two emulated hosts, launch/hosts.sh)")
+        if self.placement == "emulated" and self.hostfile:
+            raise PlanError("study.placement=\"emulated\" and study.hostfile both name where ranks run; keep one")
+        if self.link != "none" and not re.fullmatch(r"[0-9]+(\.[0-9]+)?([kmgt]?bit|[kmgt]?bps)", str(self.link)):
+            raise PlanError(f"study.link={self.link!r} is not a tc rate: use e.g. \"100mbit\", \"1gbit\" or \"none\"")
+        if type(self.cores_per_host) is not int or self.cores_per_host < 1:
+            raise PlanError(f"study.cores_per_host={self.cores_per_host!r}: give a whole number of cores, 1 or more")
         if type(self.validate_regenerate_batches) is not int or self.validate_regenerate_batches < 0:
             raise PlanError(f"study.validate_regenerate_batches={self.validate_regenerate_batches!r}: give a whole "
                             "number of batches, 0 or more (0 skips the regeneration check)")

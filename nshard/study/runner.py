@@ -12,6 +12,7 @@ A failed arm keeps its log and run directory (under failed/) and is reported as 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -23,6 +24,8 @@ import time
 from pathlib import Path
 
 from nshard.files import file_sha256, write_json_atomic
+from nshard.run.device import cuda_available
+from nshard.study import placement as placement_mod
 from nshard.seam.launch_env import free_port
 from nshard.run.plan import REPO_ROOT, ArmSpec, Plan, PlanError, find_beside, load_plan
 
@@ -48,12 +51,20 @@ def resolve_ds_config(path: str, plan_path: Path) -> Path:
                      f"and in {REPO_ROOT}); fix the arm's ds_config path")
 
 
-def launch_command(arm: ArmSpec, plan: Plan, plan_path: Path, ds_config: Path, run_dir: Path, port: int) -> list[str]:
-    """DeepSpeed's own launcher: one rank, N local ranks, or the plan's hostfile."""
+def launch_command(arm: ArmSpec, plan: Plan, plan_path: Path, ds_config: Path, run_dir: Path, port: int,
+                   hosts: dict | None = None) -> list[str]:
+    """DeepSpeed's own launcher: one rank, N local ranks, the plan's hostfile, or the emulated hosts (the one-rank
+    arm on the first, through the same multi-node path, and a two-rank arm across both)."""
     from nshard.run.hostfile import parse_hostfile
 
     deepspeed = str(Path(sys.executable).with_name("deepspeed"))
-    if arm.ranks == 1 or not plan.study.hostfile:
+    if hosts is not None:
+        if arm.ranks > len(hosts["hosts"]):
+            raise StudyError(f"arm {arm.name} asks for ranks={arm.ranks}; the emulated placement has "
+                             f"{len(hosts['hosts'])} hosts of one rank each")
+        where = (["--hostfile", str(hosts["first"]), "--force_multi"] if arm.ranks == 1
+                 else ["--hostfile", str(hosts["all"])])
+    elif arm.ranks == 1 or not plan.study.hostfile:
         where = ["--num_gpus", str(arm.ranks)]
     else:
         hosts = parse_hostfile(plan.study.hostfile)
@@ -78,7 +89,8 @@ def arm_is_done(run_dir: Path, plan_sha: str, ds_sha: str, ranks: int) -> bool:
             and (run_dir / "model" / "model.safetensors").is_file())
 
 
-def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: dict | None) -> dict:
+def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: dict | None,
+              hosts: dict | None = None) -> dict:
     """Train one arm unless it already finished with these inputs; a failure is recorded, never retried here."""
     ds_config = resolve_ds_config(arm.ds_config, plan_path)
     run_dir = out / "arms" / arm.name
@@ -98,7 +110,7 @@ def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: di
         run_dir.rename(keep)
     log = out / "logs" / f"{arm.name}-attempt-{len(attempts) + 1}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = launch_command(arm, plan, plan_path, ds_config, run_dir, free_port())
+    cmd = launch_command(arm, plan, plan_path, ds_config, run_dir, free_port(), hosts)
     say(f"arm {arm.name}: training on {arm.ranks} rank(s) with {arm.ds_config} (log: {log})")
     t0 = time.perf_counter()
     with log.open("w") as f:
@@ -216,9 +228,21 @@ def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = Fals
     shutil.copyfile(plan_path, out / "plan.toml")
     t0 = time.perf_counter()
     prepare_shared_caches(plan, plan_path)
-    for arm in plan.study.arms:
-        study["arms"].append(train_arm(arm, plan, plan_path, out, previous.get(arm.name)))
-        write_json_atomic(out / "study.json", study)
+    study["placement"] = placement_mod.describe(plan, cuda_available())
+    if not study["placement"]["comparable"]:
+        say(f"speed screen not comparable: {study['placement']['why']}")
+    with contextlib.ExitStack() as stack:
+        hosts = None
+        if study["placement"]["kind"] == "emulated":
+            hosts = stack.enter_context(placement_mod.emulated_hosts(plan.study.link, plan.study.cores_per_host, out))
+            study["placement"].update(hosts=hosts["hosts"], cores=hosts["cores"])
+            say(f"emulated hosts up: {', '.join(f'{h} on core(s) {c}' for h, c in zip(hosts['hosts'], hosts['cores']))}, "
+                f"link {plan.study.link}")
+        for arm in plan.study.arms:
+            study["arms"].append(train_arm(arm, plan, plan_path, out, previous.get(arm.name), hosts))
+            write_json_atomic(out / "study.json", study)
+    if hosts is not None:
+        say("emulated hosts down")
     train_s = time.perf_counter() - t0
     done = {a["name"]: Path(a["run_dir"]) for a in study["arms"] if a["status"] == "complete"}
     if not done:
@@ -259,7 +283,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     try:
         results = run_study(args.plan, args.out, args.exploratory)
-    except (PlanError, StudyError, CommitError, EvalError, ValidationError, HostfileError, OSError) as exc:
+    except (PlanError, StudyError, CommitError, EvalError, ValidationError, HostfileError,
+            placement_mod.PlacementError, OSError) as exc:
         print(f"nshard.study: error: {exc}", file=sys.stderr)
         return 2
     failed = [a["name"] for a in results["arms"] if a["status"] != "complete"]

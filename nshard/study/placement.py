@@ -1,0 +1,96 @@
+"""Where a study's arms run, and whether their times can be compared the way the reference compared them.
+
+The reference study timed one GPU against two GPUs on two hosts: each rank had a host's compute to itself
+and the two-rank arms talked over a link. `study.placement = "emulated"` rebuilds that on one machine:
+launch/hosts.sh brings up two hosts (a network namespace each, `study.cores_per_host` cores each in a
+cpuset cgroup that the host's sshd and everything it starts inherit, a link of `study.link` between them),
+the one-rank arm runs on the first host and the two-rank arms across both, each through DeepSpeed's plain
+`deepspeed --hostfile` command. Everything is torn down on every way out (error, Ctrl-C, SIGTERM).
+
+Without root (or without a cpuset controller) the emulated hosts cannot be made: the arms then run on this
+machine, and the placement says the speed screen is not comparable, and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from nshard.run.plan import REPO_ROOT, Plan
+
+HOSTS_SH = REPO_ROOT / "launch" / "hosts.sh"
+CPUSETS = Path("/sys/fs/cgroup/cpuset")
+
+
+class PlacementError(RuntimeError):
+    """The emulated hosts could not be brought up or torn down; the message says what to do."""
+
+
+def emulation_unavailable() -> str | None:
+    """Why two hosts cannot be emulated here (None: they can)."""
+    if os.geteuid() != 0:
+        return "emulated hosts need root (network namespaces, veth, tc, sshd, cpuset cgroups)"
+    if not (CPUSETS.is_dir() and os.access(CPUSETS, os.W_OK)):
+        return f"no writable cgroup v1 cpuset controller at {CPUSETS}"
+    if not HOSTS_SH.is_file():
+        return f"{HOSTS_SH} is missing (emulated hosts run from a checkout of nshard)"
+    return None
+
+
+def describe(plan: Plan, cuda: bool) -> dict:
+    """The placement the study will use, with whether the speed screen can compare its arms (and why not)."""
+    study = plan.study
+    if study.hostfile:
+        return {"kind": "hostfile", "hostfile": study.hostfile, "link": None, "cores_per_host": None,
+                "comparable": True, "why": None}
+    if study.placement == "emulated":
+        why = emulation_unavailable()
+        if why is None:
+            return {"kind": "emulated", "link": study.link, "cores_per_host": study.cores_per_host,
+                    "comparable": True, "why": None}
+        return {"kind": "local", "requested": "emulated", "link": None, "cores_per_host": None, "comparable": False,
+                "why": f"{why}; the arms ran on this machine, the two-rank arms splitting its cores with no link "
+                       "between their ranks"}
+    if cuda:
+        return {"kind": "local", "link": None, "cores_per_host": None, "comparable": True, "why": None}
+    return {"kind": "local", "link": None, "cores_per_host": None, "comparable": False,
+            "why": "every rank ran on this machine's CPU: the two-rank arms split the cores the one-rank arm had to "
+                   "itself, and no link lay between their ranks (study.placement = \"emulated\" times them as the "
+                   "reference did)"}
+
+
+def _hosts_sh(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(HOSTS_SH), *args], capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+@contextlib.contextmanager
+def emulated_hosts(link: str, cores_per_host: int, out: Path):
+    """Bring up the two hosts; yields {"all": hostfile of both, "first": hostfile of the first alone, "hosts": [...]}.
+    Torn down however the block ends; SIGTERM and SIGHUP end it like Ctrl-C does."""
+    up = _hosts_sh("up", link, str(cores_per_host))
+    if up.returncode != 0:
+        raise PlacementError(f"launch/hosts.sh up {link} {cores_per_host} failed: {up.stderr.strip()[-800:]}")
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        hostfile = Path(up.stdout.strip().splitlines()[-1])
+        lines = [line for line in hostfile.read_text().splitlines() if line.strip()]
+        folder = out / "hosts"
+        folder.mkdir(parents=True, exist_ok=True)
+        both, first = folder / "hostfile", folder / "hostfile-first"
+        both.write_text("\n".join(lines) + "\n")
+        first.write_text(lines[0] + "\n")
+        cores = [(hostfile.parent / f"cores-{i + 1}").read_text().strip() for i in range(len(lines))]
+        yield {"all": both, "first": first, "hosts": [line.split()[0] for line in lines], "cores": cores}
+    finally:
+        down = _hosts_sh("down")
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if down.returncode != 0:
+            raise PlacementError(f"launch/hosts.sh down failed: {down.stderr.strip()[-800:]}; run it by hand")
