@@ -1,5 +1,6 @@
 """Every figure-producing script under launch/ runs end to end on the tiny model, one round: seconds to a couple
-of minutes each, so that a script whose figures the docs quote cannot rot unseen."""
+of minutes each, so that a script whose figures the docs quote cannot rot unseen. launch/zero_stages.py's run is
+in tests/test_zero_table.py; launch/gpu_check.py needs a GPU, and its dry run is in tests/test_gpu.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import sys
 import pytest
 
 from runs import REPO, run_env
+
+if str(REPO) not in sys.path:  # launch/ is imported below, as tests/test_capacity.py does
+    sys.path.insert(0, str(REPO))
 
 pytestmark = pytest.mark.slow
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, memory cgroups)")
@@ -55,3 +59,24 @@ def test_memory_probe_measures_one_arm_of_the_tiny_model(tmp_path):
     script("launch.memory_probe", "--model", "tiny", "--arms", "base", "--cap_gib", "2", "--out", str(tmp_path / "p"),
            "--timeout_s", "600")
     assert any((tmp_path / "p").rglob("*.json"))
+
+
+@root_only
+def test_capacity_searches_one_depth_on_the_tiny_model(tmp_path, monkeypatch, capsys):
+    """launch/capacity.py's command (search, capped attempt, table, plot) for one configuration, one depth. The
+    SmolLM2-1.7B-shaped model it builds per depth is swapped for the tiny model: one such layer is 168 M
+    parameters, minutes to build and run. tests/test_capacity.py covers an attempt that runs out of memory."""
+    from launch import capacity
+    from launch.memcap import leftover_groups
+
+    monkeypatch.setattr(capacity, "build_1_7b_shaped", lambda layers, models_dir: "tiny")
+    out = tmp_path / "capacity"
+    assert capacity.main(["--cap_gib", "2", "--configs", "s0-dense-1r", "--max_layers", "1", "--timeout_s", "600",
+                          "--out", str(out)]) == 0
+    rows = json.loads((out / "capacity.json").read_text())
+    assert [(r["config"], r["layers"], r["run"]["outcome"]) for r in rows] == [("s0-dense-1r", 1, "complete")]
+    assert rows[0]["run"]["peak_rss_bytes"][0] > 0
+    assert "| s0-dense-1r | 2.00 | 1 | " in (out / "capacity.md").read_text()
+    assert (out / "capacity.png").stat().st_size > 1000
+    assert "s0-dense-1r L=1: complete" in capsys.readouterr().out
+    assert leftover_groups(f"nshard-cap-{os.getpid()}-") == []
