@@ -77,7 +77,15 @@ def test_hostfile_line_that_does_not_parse(tmp_path):
                                      ({"data": {"families": ["lookup", "poetry"]}}, "data.families"),
                                      ({"data": {"seed": 1, "eval_seed": 1}}, "data.eval_seed"),
                                      ({"train": {"microbatch_docs": 1.5}}, "train.microbatch_docs"),
-                                     ({"data": {"retention_docs": 9, "replay_docs": 8}}, "data.retention_docs")])
+                                     ({"data": {"retention_docs": 9, "replay_docs": 8}}, "data.retention_docs"),
+                                     ({"study": {"placement": "remote"}}, "study.placement"),
+                                     ({"study": {"link": "fast"}}, "study.link"),
+                                     ({"study": {"cores_per_host": 0}}, "study.cores_per_host"),
+                                     ({"study": {"placement": "emulated", "hostfile": "h"}}, "study.hostfile"),
+                                     ({"study": {"validate_regenerate_batches": -1}},
+                                      "study.validate_regenerate_batches"),
+                                     ({"study": {"arms": [{"name": "a", "keep_state": "yes"}], "candidate": "a",
+                                                 "speed_baseline": "a"}}, "study.arms[0].keep_state")])
 def test_plan_validation_names_the_key(bad, key):
     with pytest.raises(PlanError) as err:
         plan_from_dict(bad)

@@ -76,6 +76,12 @@ def test_the_study_writes_its_outputs_and_reports_the_failed_arm(study):
     assert "Placement: every rank on this machine." in report
     assert {p.name for p in (out / "plots").glob("*.png")} == {"accuracy_per_family.png", "loss_per_update.png",
                                                               "bytes_per_update.png"}
+    # Only the candidate keeps its final complete state (a second cohort continues from it).
+    arms = {a["name"]: a for a in json.loads((out / "study.json").read_text())["arms"]}
+    assert arms["powersgd"]["state"]["kept"] and (out / "arms/powersgd/state").is_dir()
+    for name in ("one-rank", "dense"):
+        assert not arms[name]["state"]["kept"] and arms[name]["state"]["removed_bytes"] > 0
+        assert not (out / "arms" / name / "state").exists()
     receipts = [json.loads(p.read_text()) for p in (out / "arms/powersgd/receipts").glob("rank-*.json")]
     assert all(any(r["update_compressed"]) for r in receipts)
     # The commitment was written before any score: every evaluation names it.

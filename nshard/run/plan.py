@@ -128,6 +128,9 @@ class ArmSpec:
     """Ranks (processes) the arm trains on."""
     ds_config: str = "ds_configs/dense.json"
     """DeepSpeed JSON; a relative path is read from the working directory, else the repository root."""
+    keep_state: bool | None = None
+    """Keep the arm's final complete state (state/) after it finished; default: only the candidate keeps it
+    (a second cohort continues from it). Every arm saves it alike, so all arms are timed alike."""
 
     def __post_init__(self):
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
@@ -136,6 +139,8 @@ class ArmSpec:
         if self.name == "seed":
             raise PlanError("study.arms name='seed' is reserved for the untrained model; rename the arm")
         _positive(f"study.arms[{self.name}].ranks", self.ranks)
+        if self.keep_state is not None and not isinstance(self.keep_state, bool):
+            raise PlanError(f"study.arms[{self.name}].keep_state={self.keep_state!r}: use true or false")
 
 
 def _default_arms() -> tuple[ArmSpec, ...]:
@@ -323,6 +328,8 @@ def _check_type(key: str, value, hint):
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return tuple(value)
         raise PlanError(f"{key} must be a list of strings, got {value!r}")
+    if hint == (bool | None):  # TOML has no null: absent means the default
+        hint = bool
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
         raise PlanError(f"{key} must be {hint.__name__}, got {type(value).__name__} {value!r}")
     return value

@@ -128,6 +128,21 @@ def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: di
             "error_tail": tail}
 
 
+def settle_state(arm: ArmSpec, plan: Plan, entry: dict) -> dict:
+    """Keep the arm's final complete state only where the plan wants it (default: the candidate alone); the
+    others' states go once the arm finished (the main job would otherwise leave gigabytes per arm)."""
+    state = Path(entry["run_dir"]) / "state"
+    keep = arm.keep_state if arm.keep_state is not None else arm.name == plan.study.candidate
+    if entry["status"] != "complete" or not state.is_dir():
+        return entry
+    size = sum(p.stat().st_size for p in state.rglob("*") if p.is_file())
+    if keep:
+        return {**entry, "state": {"kept": True, "path": str(state), "bytes": size}}
+    shutil.rmtree(state)
+    say(f"arm {arm.name}: final state removed ({size / 1e9:.2f} GB); set keep_state = true on the arm to keep it")
+    return {**entry, "state": {"kept": False, "removed_bytes": size}}
+
+
 def commit_candidates(out: Path, seed_dir: Path, arms: dict[str, Path]) -> dict:
     """One record for all finished arms; an earlier record that names exactly the same models is kept."""
     from nshard.evidence import commit
@@ -239,7 +254,8 @@ def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = Fals
             say(f"emulated hosts up: {', '.join(f'{h} on core(s) {c}' for h, c in zip(hosts['hosts'], hosts['cores']))}, "
                 f"link {plan.study.link}")
         for arm in plan.study.arms:
-            study["arms"].append(train_arm(arm, plan, plan_path, out, previous.get(arm.name), hosts))
+            study["arms"].append(settle_state(arm, plan, train_arm(arm, plan, plan_path, out, previous.get(arm.name),
+                                                                    hosts)))
             write_json_atomic(out / "study.json", study)
     if hosts is not None:
         say("emulated hosts down")
