@@ -80,3 +80,20 @@ def test_capacity_searches_one_depth_on_the_tiny_model(tmp_path, monkeypatch, ca
     assert (out / "capacity.png").stat().st_size > 1000
     assert "s0-dense-1r L=1: complete" in capsys.readouterr().out
     assert leftover_groups(f"nshard-cap-{os.getpid()}-") == []
+
+
+def test_recipe_sweep_runs_two_points_on_the_tiny_plan_and_keeps_every_attempt(tmp_path):
+    """Two learning rates, two updates each, on development seeds: a record of both points, the seed scored
+    once and reused, the choice made by the declared rule."""
+    record = tmp_path / "record" / "sweep"
+    proc = script("launch.recipe_sweep", "--plan", "launch/plans/tiny.toml", "--lrs", "1e-3", "3e-3", "--updates", "2",
+                  "--out", str(tmp_path / "sweep"), "--record", str(record), timeout=1200)
+    body = json.loads(record.with_suffix(".json").read_text())
+    assert [p["point"] for p in body["points"]] == ["lr0.001-u2", "lr0.003-u2"]
+    assert all(p["status"] == "complete" and p["cases"] == 16 for p in body["points"])
+    plan = (tmp_path / "sweep" / "lr0.001-u2" / "plan.toml").read_text()
+    assert "seed = 207" in plan and "eval_seed = 7207" in plan  # development data, never the final cases
+    assert "score seed: scored earlier under the same commitment; reused" in (
+        tmp_path / "sweep" / "lr0.003-u2" / "log.txt").read_text()
+    assert "| lr0.003-u2 | complete |" in record.with_suffix(".md").read_text()
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["record"] == str(record)
