@@ -3,6 +3,7 @@
 import hashlib
 import io
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from nshard.evidence.archive import ArchiveError, BadInput, create, extract, sidecar, verify, verify_bytes
+from nshard.evidence.commit import CommitError, model_files
+from nshard.evidence.export import ManifestError, verify_manifest, write_manifest
 from runs import cached_run, tiny_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -166,3 +169,72 @@ def test_cli_bad_input_and_a_damaged_member(tmp_path):
     assert internal.stderr.count("\n") == 1
     with pytest.raises(BadInput):
         create(tmp_path / "c.tar", [run, run], [], repo=None)
+
+
+# ---- the export manifest binds every entry of model/, whatever its kind --------------------------------------
+
+def sealed_export(root: Path) -> Path:
+    model = root / "model"
+    (model / "sub").mkdir(parents=True)
+    (model / "config.json").write_text("{}\n")
+    (model / "model.safetensors").write_bytes(b"W" * 64)
+    (model / "sub" / "notes.txt").write_text("n\n")
+    write_manifest(model, parameter_root="0" * 64, plan_sha256="1" * 64, ds_config_sha256="2" * 64,
+                   prepared_identity="3" * 64)
+    return model
+
+
+ADDED = {"symlink": lambda p: p.symlink_to("config.json"), "dir": lambda p: p.mkdir(), "fifo": os.mkfifo}
+
+
+@pytest.mark.parametrize("kind", ADDED)
+@pytest.mark.parametrize("where", ["added", "sub/added"])
+def test_an_entry_added_to_a_sealed_export_is_named(tmp_path, kind, where):
+    """Attack: a symlink, an empty folder or a FIFO put into model/ after the manifest was written."""
+    model = sealed_export(tmp_path)
+    assert verify_manifest(model)["format"] == "nshard-export/2"
+    ADDED[kind](model / where)
+    with pytest.raises(ManifestError, match=f"^{where}: a {kind} present but not in the manifest"):
+        verify_manifest(model)
+
+
+def test_a_file_swapped_for_a_link_to_the_same_bytes_is_named(tmp_path):
+    model = sealed_export(tmp_path)
+    (tmp_path / "copy.json").write_bytes((model / "config.json").read_bytes())
+    (model / "config.json").unlink()
+    (model / "config.json").symlink_to(tmp_path / "copy.json")
+    with pytest.raises(ManifestError, match="^config.json: a symlink, the manifest says file"):
+        verify_manifest(model)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_an_export_holding_a_link_or_special_file_is_refused_when_sealed(tmp_path, kind):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}\n")
+    ADDED[kind](model / "odd")
+    with pytest.raises(ManifestError, match=f"odd \\({kind}\\) cannot be exported"):
+        write_manifest(model, parameter_root="0", plan_sha256="1", ds_config_sha256="2", prepared_identity="3")
+    assert not (model / "manifest.json").exists()
+
+
+def test_a_format_1_manifest_still_verifies_and_sees_added_entries(tmp_path):
+    model = sealed_export(tmp_path)
+    body = json.loads((model / "manifest.json").read_text())
+    files = {rel: {"sha256": e["sha256"], "bytes": e["bytes"]} for rel, e in body.pop("entries").items()
+             if e["kind"] == "file"}
+    (model / "manifest.json").write_text(json.dumps({**body, "format": "nshard-export/1", "files": files}))
+    verify_manifest(model)
+    (model / "empty").mkdir()
+    with pytest.raises(ManifestError, match="^empty: a dir present but not in the manifest"):
+        verify_manifest(model)
+
+
+def test_model_files_refuses_what_it_cannot_bind_and_follows_links_to_files(tmp_path):
+    model = sealed_export(tmp_path)
+    (tmp_path / "blob").write_text("{}\n")
+    (model / "linked.json").symlink_to(tmp_path / "blob")  # a hub snapshot's shape: the bytes that load are bound
+    assert model_files(model)["linked.json"] == model_files(model)["config.json"]
+    os.mkfifo(model / "pipe")
+    with pytest.raises(CommitError, match="pipe is a fifo, neither a file nor a folder"):
+        model_files(model)
