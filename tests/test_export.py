@@ -25,9 +25,10 @@ def run(runs_root):
 def test_manifest_binds_every_file_and_the_run(run):
     manifest = verify_manifest(run / "model")
     run_json = json.loads((run / "run.json").read_text())
-    on_disk = {p.relative_to(run / "model").as_posix() for p in (run / "model").rglob("*") if p.is_file()}
-    assert set(manifest["files"]) == on_disk - {"manifest.json"}
-    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(manifest["files"])
+    on_disk = {p.relative_to(run / "model").as_posix() for p in (run / "model").rglob("*")}
+    assert set(manifest["entries"]) == on_disk - {"manifest.json"}
+    files = {rel for rel, entry in manifest["entries"].items() if entry["kind"] == "file"}
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= files
     for key in ("parameter_root", "plan_sha256", "ds_config_sha256", "prepared_identity"):
         assert manifest[key] == run_json[key], key
     assert manifest["parameter_root"] == parameter_root(load_file(str(run / "model" / "model.safetensors")).items())

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from nshard.evidence.archive import verify
 from nshard.evidence.commit import CommitError, load_commitment
 from nshard.study.evaluate import read_jsonl
 from nshard.run.models import load_tokenizer, resolve_model
@@ -98,6 +99,44 @@ def test_a_rerun_reuses_finished_arms_and_keeps_the_failed_attempts(study):
     broken = next(a for a in state["arms"] if a["name"] == "broken")
     assert [a["rc"] != 0 for a in broken["attempts"]] == [True, True]
     assert all(Path(a["log"]).is_file() for a in broken["attempts"])
+
+
+def archive_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nshard.evidence.archive", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_study_archives_its_evidence_beside_the_results(study, tmp_path):
+    """Runs after the rerun above, so both failed attempts of the broken arm are in it: it stops before making
+    a run directory, so its evidence is its logs and study.json's attempts (failed/<attempt>/ directories are
+    archived as tests/test_archive.py shows on a synthetic study)."""
+    out = study["out"]
+    archive = out / "evidence.tar"
+    assert archive.is_file() and (out / "evidence.tar.sha256").is_file() and (out / "results.json").is_file()
+    checked = archive_cli("verify", archive)
+    assert checked.returncode == 0 and json.loads(checked.stdout)["anchored"], checked.stderr
+    index, members, _ = verify(archive)
+    held = {name.removeprefix("study/"): data for name, data in members.items() if name.startswith("study/")}
+    for rel in ["commitment.json", "validation.json", "results.json", "report.md", "study.json", "plan.toml",
+                *[f"eval/{label}/{f}" for label in ("seed", "one-rank", "dense", "powersgd")
+                  for f in ("cases.jsonl", "summary.json")],
+                *[str(p.relative_to(out)) for arm in ("one-rank", "dense", "powersgd")
+                  for p in (out / "arms" / arm / "receipts").glob("rank-*.json")],
+                "logs/broken-attempt-1.log", "logs/broken-attempt-2.log"]:
+        assert held.get(rel) == (out / rel).read_bytes(), rel
+    attempts = next(a for a in json.loads(held["study.json"])["arms"] if a["name"] == "broken")["attempts"]
+    assert [Path(a["log"]).name for a in attempts] == ["broken-attempt-1.log", "broken-attempt-2.log"]
+    assert not [n for n in held if n.endswith((".safetensors", ".bin", ".pt")) or "/state/" in n]
+    manifests = {f"arms/{arm}/model/manifest.json" for arm in ("one-rank", "dense", "powersgd")}
+    assert {n for n in held if "/model/" in n} == manifests
+    assert index["source"]["captured"] in ("commit", "working tree at archive time")
+    copy = tmp_path / "evidence.tar"  # one flipped byte, in a copy beside a copy of the .sha256
+    data = bytearray(archive.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    copy.write_bytes(bytes(data))
+    shutil.copyfile(out / "evidence.tar.sha256", tmp_path / "evidence.tar.sha256")
+    flipped = archive_cli("verify", copy)
+    assert flipped.returncode == 1 and "archive sha256 is" in flipped.stderr
 
 
 def tiny_tokenizer():

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from nshard.evidence.export import ManifestError, source_commit, verify_manifest
+from nshard.evidence.export import ManifestError, entry_kind, source_commit, verify_manifest
 from nshard.files import file_sha256, write_json_atomic
 
 
@@ -25,11 +25,18 @@ class CommitError(RuntimeError):
 
 
 def model_files(model_dir: Path) -> dict[str, str]:
-    """SHA-256 of every regular file under a model directory, by relative path."""
+    """SHA-256 of every file under a model directory, by relative path. A link to a file counts as that file
+    (a hub snapshot links its files into a blob store: the bytes that load are what is bound); any other
+    entry but a folder (a FIFO, a dangling link, a link to a folder) is refused, since it would go unbound."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CommitError(f"model directory {model_dir} does not exist")
-    files = {str(p.relative_to(model_dir)): file_sha256(p) for p in sorted(model_dir.rglob("*")) if p.is_file()}
+    paths = sorted(model_dir.rglob("*"))
+    odd = [p for p in paths if not p.is_file() and (p.is_symlink() or not p.is_dir())]
+    if odd:
+        raise CommitError(f"model directory {model_dir}: {odd[0].relative_to(model_dir)} is a "
+                          f"{entry_kind(odd[0])}, neither a file nor a folder; remove it")
+    files = {str(p.relative_to(model_dir)): file_sha256(p) for p in paths if p.is_file()}
     if not files:
         raise CommitError(f"model directory {model_dir} holds no files")
     return files

@@ -4,7 +4,8 @@ validate the scores, and analyze (screens, report, plots).
     python -m nshard.study --plan PLAN [--out DIR] [--exploratory]
 
 DIR (default runs/study-<plan name>) holds study.json, arms/<arm>/ (one run directory each),
-logs/, commitment.json, eval/<model>/, validation.json, results.json, report.md and plots/.
+logs/, commitment.json, eval/<model>/, validation.json, results.json, report.md, plots/, and last
+evidence.tar (+ .sha256): the study's evidence and source in one archive (nshard/evidence/archive.py).
 Running it again reuses every arm that finished with the same plan, ds_config and rank count.
 A failed arm keeps its log and run directory (under failed/) and is reported as failed.
 """
@@ -23,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from nshard.evidence.archive import ArchiveError, create_study_archive
 from nshard.files import file_sha256, write_json_atomic
 from nshard.run.device import cuda_available
 from nshard.study import placement as placement_mod
@@ -281,6 +283,9 @@ def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = Fals
     if proc.returncode != 0:
         raise StudyError(f"analysis failed (exit {proc.returncode}); rerun python -m nshard.analysis.report {out}")
     say(f"results: {out / 'results.json'}; report: {out / 'report.md'}; plots: {out / 'plots'}")
+    archive = create_study_archive(out)
+    say(f"evidence: {archive['archive']} ({archive['members']} files, sha256 {archive['sha256'][:16]}; "
+        f"python -m nshard.evidence.archive verify {archive['archive']})")
     return json.loads((out / "results.json").read_text())
 
 
@@ -299,7 +304,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     try:
         results = run_study(args.plan, args.out, args.exploratory)
-    except (PlanError, StudyError, CommitError, EvalError, ValidationError, HostfileError,
+    except (PlanError, StudyError, CommitError, EvalError, ValidationError, HostfileError, ArchiveError,
             placement_mod.PlacementError, OSError) as exc:
         print(f"nshard.study: error: {exc}", file=sys.stderr)
         return 2
