@@ -4,9 +4,10 @@ quality and speed screens, the report tables and the plots. Reads the study dire
     python -m nshard.analysis.report STUDY_DIR
 
 Reads STUDY_DIR/study.json (the arms, the declared screens, what the runner saw), the arms' run
-directories (run.json, receipts, metrics.jsonl), STUDY_DIR/commitment.json and STUDY_DIR/eval/*/, and
-hashes again the model files the commitment names: a score counts only if the record names exactly
-those files under exactly that label (nshard.evidence.commit's checks, which need no torch).
+directories (run.json, receipts, metrics.jsonl), STUDY_DIR/commitment.json (and anchor.json, where the study
+anchored it in a store) and STUDY_DIR/eval/*/, and hashes again the model files the commitment names: a score
+counts only if the record names exactly those files under exactly that label (nshard.evidence.commit's checks,
+which need no torch).
 Writes STUDY_DIR/results.json, STUDY_DIR/report.md and STUDY_DIR/plots/*.png; prints the main table.
 """
 
@@ -86,6 +87,18 @@ def check_scores(study_dir: Path, study: dict, record: dict) -> list[str]:
             raise StudyError(f"{arm['run_dir']}/run.json: parameter root {run['parameter_root'][:16]} is not the "
                              f"one commitment {record['record_sha256'][:16]} records for {arm['name']}")
     return reasons
+
+
+def read_anchor(study_dir: Path, record: dict | None) -> dict | None:
+    """anchor.json, written by the runner once the record was pushed to the plan's store; it must name this record."""
+    path = study_dir / "anchor.json"
+    if record is None or not path.is_file():
+        return None
+    anchor = read_json(path)
+    if anchor.get("record_sha256") != record["record_sha256"]:
+        raise StudyError(f"{path} anchors record {str(anchor.get('record_sha256'))[:16]}, not commitment.json's "
+                         f"{record['record_sha256'][:16]}; it belongs to another commitment: move it aside")
+    return anchor
 
 
 # ---------------------------------------------------------------- learning
@@ -295,7 +308,7 @@ def analyze(study_dir: Path) -> dict:
     speed = speed_screen(arms, study["candidate"], study["speed_baseline"], screens, study.get("placement"))
     return {
         "exploratory": exploratory, "exploratory_reasons": exploratory_reasons,
-        "commitment_sha256": commitment_sha,
+        "commitment_sha256": commitment_sha, "commitment_anchor": read_anchor(study_dir, commitment),
         "source": commitment["source"] if commitment else None,
         "prepared_identity": identity,
         "plan_sha256": study["plan_sha256"], "candidate": study["candidate"],
@@ -426,6 +439,9 @@ def render_report(results: dict) -> str:
             lines.append(f"- {arm['name']}: **{arm['status']}** (log: `{arm['log']}`)")
     if results.get("validation"):
         lines.append(f"- post-scoring validation: passed on {results['validation']['case_ids']} cases per model")
+    if anchor := results.get("commitment_anchor"):
+        lines.append(f"- commitment anchored before scoring in `{anchor['uri']}` (index `{anchor['index_sha256']}`), "
+                     f"stored at {anchor['stored_at']} ({anchor['clock']} clock)")
     return "\n".join(lines).replace("\n\n\n", "\n\n") + "\n"
 
 

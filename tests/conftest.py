@@ -31,3 +31,17 @@ def pytest_collection_modifyitems(config, items):
 def runs_root(tmp_path_factory):
     """Shared by every test that launches real runs, so one configuration is launched once per session."""
     return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="session")
+def moto(tmp_path_factory):
+    """One real S3-API server (moto) on loopback for the session, with the test bucket created."""
+    from s3server import MotoServer
+    from stores import BUCKET, raw_client
+
+    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log")
+    try:
+        raw_client(server.url).create_bucket(Bucket=BUCKET)
+        yield server
+    finally:
+        server.stop()

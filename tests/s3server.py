@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import re
 import socket
@@ -59,12 +60,15 @@ def s3_error(code: str, status: int) -> bytes:
 
 class FaultProxy:
     """Forwards HTTP to `upstream`; `fault(method, path)` may answer "503", "403", "reset" (RST before any reply),
-    "reset-body" (RST after half the body), "slow:<s>" (reply after s seconds) or "corrupt" (flip the last byte of
-    the request body on its way). Every request is logged."""
+    "reset-body" (RST after half the body), "slow:<s>" (reply after s seconds), "corrupt" (flip the last byte of
+    the request body on its way) or "corrupt-reply" (flip a byte of the reply's body). `gate(method, path)`, if
+    given, returns a context manager held around the forwarding (outside the proxy's lock: it may wait for other
+    requests). Every request is logged, with its headers in `headers_seen`."""
 
-    def __init__(self, upstream_port: int, fault=lambda method, path: None):
-        self.fault, self.upstream_port = fault, upstream_port
+    def __init__(self, upstream_port: int, fault=lambda method, path: None, gate=None):
+        self.fault, self.gate, self.upstream_port = fault, gate, upstream_port
         self.log: list[tuple[str, str, str]] = []
+        self.headers_seen: list[tuple[str, str, dict]] = []
         self.lock = threading.Lock()
         proxy = self
 
@@ -79,6 +83,7 @@ class FaultProxy:
                 with proxy.lock:
                     action = proxy.fault(self.command, self.path)
                     proxy.log.append((self.command, self.path, action or "forward"))
+                    proxy.headers_seen.append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()}))
                 if action in ("503", "403"):
                     code = {"503": "ServiceUnavailable", "403": "AccessDenied"}[action]
                     return self._reply(int(action), [("Content-Type", "application/xml")], s3_error(code, int(action)))
@@ -88,7 +93,10 @@ class FaultProxy:
                     time.sleep(float(action[5:]))
                 if action == "corrupt" and body:  # the bytes change on the way: only a read-back can tell
                     body = body[:-1] + bytes([body[-1] ^ 0x01])
-                status, headers, data = self._forward(body)
+                with proxy.gate(self.command, self.path) if proxy.gate else contextlib.nullcontext():
+                    status, headers, data = self._forward(body)
+                if action == "corrupt-reply" and data:
+                    data = data[:-1] + bytes([data[-1] ^ 0x01])
                 if action == "reset-body" and len(data) > 1:
                     self.send_response_only(status)
                     for name, value in headers:

@@ -368,3 +368,19 @@ def test_a_placement_that_cannot_time_the_arms_makes_the_speed_screen_not_compar
     assert speed["speedups"]["powersgd"]["complete_process"] == 100.0 / 95.0
     report = (root / "report.md").read_text()
     assert "Speed screen: **NOT COMPARABLE**" in report and why in report and "- NOT COMPARABLE: complete-process" in report
+
+
+def test_the_commitment_anchor_goes_into_the_results_and_one_for_another_record_is_refused(tmp_path):
+    root = make_study(tmp_path, candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
+    assert write_outputs(root)["commitment_anchor"] is None  # no store configured: nothing anchored
+    record = json.loads((root / "commitment.json").read_text())["record_sha256"]
+    anchor = {"uri": f"s3://bucket/commitment/{record[:16]}", "index_sha256": "i" * 64, "record_sha256": record,
+              "commitment_json_sha256": "c" * 64, "stored_at": "2026-12-01T10:00:00+00:00", "clock": "s3-server"}
+    (root / "anchor.json").write_text(json.dumps(anchor))
+    write_outputs(root)
+    assert json.loads((root / "results.json").read_text())["commitment_anchor"] == anchor
+    assert (f"commitment anchored before scoring in `{anchor['uri']}` (index `{'i' * 64}`), stored at "
+            "2026-12-01T10:00:00+00:00 (s3-server clock)") in (root / "report.md").read_text()
+    (root / "anchor.json").write_text(json.dumps({**anchor, "record_sha256": "0" * 64}))
+    err = refused(root)
+    assert "anchor.json anchors record 0000000000000000, not commitment.json's" in err

@@ -85,12 +85,31 @@ def test_hostfile_line_that_does_not_parse(tmp_path):
                                      ({"study": {"validate_regenerate_batches": -1}},
                                       "study.validate_regenerate_batches"),
                                      ({"study": {"arms": [{"name": "a", "keep_state": "yes"}], "candidate": "a",
-                                                 "speed_baseline": "a"}}, "study.arms[0].keep_state")])
+                                                 "speed_baseline": "a"}}, "study.arms[0].keep_state"),
+                                     ({"study": {"store": "s3://Bad_Bucket/p"}}, "study.store"),
+                                     ({"study": {"store": "ftp://host/dir"}}, "study.store")])
 def test_plan_validation_names_the_key(bad, key):
     with pytest.raises(PlanError) as err:
         plan_from_dict(bad)
     # The full dotted key as a word of its own: "name" inside "model.name" or "filename" does not count.
     assert re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", str(err.value)), str(err.value)
+
+
+def test_a_study_store_directory_is_resolved_like_the_plans_other_paths(tmp_path, monkeypatch):
+    plans = tmp_path / "repo" / "launch" / "plans"
+    plans.mkdir(parents=True)
+    (tmp_path / "repo" / "stores" / "main").mkdir(parents=True)
+    plan = plans / "p.toml"
+    monkeypatch.chdir(tmp_path)
+    for store, expected in [("stores/main", tmp_path / "repo" / "stores" / "main"),  # found above the plan
+                            ("new-store", tmp_path / "new-store"),  # none yet: from the working directory
+                            ("s3://nshard-bucket/studies", "s3://nshard-bucket/studies")]:
+        plan.write_text(f'[study]\nstore = "{store}"\n')
+        assert load_plan(plan).study.store == str(expected)
+    (tmp_path / "a-file").write_text("")
+    plan.write_text('[study]\nstore = "a-file"\n')
+    with pytest.raises(PlanError, match="study.store='a-file': .* is not a directory"):
+        load_plan(plan)
 
 
 def test_prepared_identity_is_stable_and_follows_the_seed():

@@ -2,26 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
 from nshard.evidence.archive import verify
-from nshard.evidence.commit import CommitError, load_commitment
+from nshard.evidence.commit import CommitError, load_commitment, model_files
 from nshard.study.evaluate import read_jsonl
 from nshard.run.models import load_tokenizer, resolve_model
 from nshard.study.validate import ValidationError, validate
 from runs import REPO, run_env, tiny_config
+from stores import ACCESS_KEY, BUCKET, SECRET_KEY, aws_env
 
 pytestmark = pytest.mark.slow
 
 
-def study_plan(tmp: Path) -> Path:
-    """The tiny plan, four arms: the usual three (PowerSGD compressing after one dense update) and one that fails."""
+def study_plan(tmp: Path, store: str) -> Path:
+    """The tiny plan, four arms: the usual three (PowerSGD compressing after one dense update) and one that fails;
+    the record, models and evidence go to `store`."""
     (tmp / "dense.json").write_text(json.dumps(tiny_config("dense")))
     (tmp / "powersgd.json").write_text(json.dumps(tiny_config("dense", nshard={
         "reducer": "powersgd", "rank": 4, "dense_warmup_updates": 1})))
@@ -32,23 +36,35 @@ def study_plan(tmp: Path) -> Path:
     plan = tmp / "tiny-study.toml"
     plan.write_text((REPO / "launch/plans/tiny.toml").read_text()
                     + '\n[study]\ncandidate = "powersgd"\nspeed_baseline = "one-rank"\neval_max_new_tokens = 12\n'
-                    + arms)
+                    + f'store = "{store}"\n' + arms)
     return plan
 
 
-def run_study(plan: Path, out: Path, *extra) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "nshard.study", "--plan", str(plan), "--out", str(out), *extra],
-                          cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=900)
+def run_study(study: dict, out: Path, *extra, endpoint: str | None = None) -> subprocess.CompletedProcess:
+    aws = {**study["aws"], **({"AWS_ENDPOINT_URL": endpoint} if endpoint else {})}
+    proc = subprocess.run([sys.executable, "-m", "nshard.study", "--plan", str(study["plan"]), "--out", str(out),
+                           *extra], cwd=REPO, env=run_env(aws), capture_output=True, text=True, timeout=900)
+    assert SECRET_KEY not in proc.stdout + proc.stderr and ACCESS_KEY not in proc.stdout + proc.stderr
+    return proc
+
+
+def verify_stored(aws: dict, uri: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nshard.evidence.store", "verify", uri], env=run_env(aws),
+                          capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
-def study(tmp_path_factory):
+def study(tmp_path_factory, moto):
+    """One study, its store a fresh prefix on the moto S3 server (the endpoint and keys from the environment)."""
     tmp = tmp_path_factory.mktemp("study")
-    plan = study_plan(tmp)
-    out = tmp / "out"
-    proc = run_study(plan, out)
+    store = f"s3://{BUCKET}/study-{uuid.uuid4().hex[:12]}"
+    aws = {k: v for k, v in aws_env(moto.url, tmp).items() if k.startswith("AWS_")}
+    study = {"plan": study_plan(tmp, store), "out": tmp / "out", "store": store, "aws": aws}
+    proc = run_study(study, study["out"])
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # 1: the broken arm failed
-    return {"plan": plan, "out": out, "proc": proc}
+    out = study["out"]
+    first_eval_ns = min(p.stat().st_mtime_ns for p in (out / "eval").rglob("*") if p.is_file())
+    return {**study, "proc": proc, "anchor_before_eval": (out / "anchor.json").stat().st_mtime_ns <= first_eval_ns}
 
 
 def test_the_study_writes_its_outputs_and_reports_the_failed_arm(study):
@@ -90,8 +106,78 @@ def test_the_study_writes_its_outputs_and_reports_the_failed_arm(study):
         assert json.loads((out / "eval" / label / "summary.json").read_text())["commitment"] == record["record_sha256"]
 
 
+def test_the_study_anchors_its_record_before_scoring_and_stores_models_and_evidence(study):
+    out, store, stdout = study["out"], study["store"], study["proc"].stdout
+    record = load_commitment(out / "commitment.json")
+    anchor = json.loads((out / "anchor.json").read_text())
+    assert anchor["uri"] == f"{store}/commitment/{record['record_sha256'][:16]}"
+    assert anchor["record_sha256"] == record["record_sha256"] and anchor["clock"] == "s3-server"
+    # Anchored before any score: in the log's order and on disk.
+    assert stdout.index(f"commitment {record['record_sha256'][:16]} anchored in {anchor['uri']}") < stdout.index(
+        "[study] score seed")
+    assert study["anchor_before_eval"]
+    results = json.loads((out / "results.json").read_text())
+    assert results["commitment_anchor"] == anchor and results["stored"]["commitment"] == anchor
+    assert anchor["uri"] in (out / "report.md").read_text()
+    models = results["stored"]["models"]
+    assert sorted(models) == sorted(c["name"] for c in record["candidates"])
+    for c in record["candidates"]:
+        assert models[c["name"]]["uri"] == f"{store}/models/{c['name']}-{c['parameter_root'][:16]}"
+        assert models[c["name"]]["files"] == len(c["files"])
+    if (out / "evidence.tar").is_file():  # the study's evidence archive, where the runner makes one
+        assert results["stored"]["evidence"]["uri"] == f"{store}/evidence/{record['record_sha256'][:16]}"
+    else:
+        assert results["stored"]["evidence"] is None
+    stored = [anchor, *models.values(), *filter(None, [results["stored"]["evidence"]])]
+    for locator in stored:
+        verified = verify_stored(study["aws"], locator["uri"])
+        assert verified.returncode == 0 and json.loads(verified.stdout)["verified"], verified.stderr
+
+
+def test_a_local_directory_store_takes_the_same_record_and_models(study, tmp_path):
+    """The runner's two store steps against a local directory, on this study's record and models (no retraining)."""
+    from nshard.run.plan import load_plan
+    from nshard.study.runner import anchor_commitment, push_outputs
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("commitment.json", "results.json"):
+        shutil.copyfile(study["out"] / name, out / name)
+    plan = load_plan(study["plan"])
+    plan = dataclasses.replace(plan, study=dataclasses.replace(plan.study, store=str(tmp_path / "store")))
+    record = load_commitment(out / "commitment.json")
+    anchor = anchor_commitment(plan, out, record)
+    assert anchor["uri"] == str(tmp_path / "store" / "commitment" / record["record_sha256"][:16])
+    assert anchor["clock"] == "local"
+    stored = push_outputs(plan, out, record)
+    assert json.loads((out / "results.json").read_text())["stored"] == stored
+    for locator in [stored["commitment"], *stored["models"].values()]:
+        assert verify_stored({}, locator["uri"]).returncode == 0
+    powersgd = stored["models"]["powersgd"]["uri"]
+    pulled = subprocess.run([sys.executable, "-m", "nshard.evidence.store", "pull", powersgd, str(tmp_path / "pulled")],
+                            capture_output=True, text=True, timeout=300)
+    assert pulled.returncode == 0, pulled.stderr
+    committed = next(c for c in record["candidates"] if c["name"] == "powersgd")
+    assert model_files(tmp_path / "pulled") == committed["files"]
+
+
+def test_a_store_that_cannot_be_reached_stops_the_study_before_scoring(study, tmp_path):
+    """A copy of the study without its scores, run again (finished arms reused) with the S3 endpoint unreachable."""
+    out = tmp_path / "out"
+    shutil.copytree(study["out"], out, ignore=shutil.ignore_patterns(
+        "eval", "plots", "results.json", "report.md", "validation.json", "anchor.json", "evidence.tar*"))
+    proc = run_study(study, out, endpoint="http://127.0.0.1:9")
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "arm powersgd: finished earlier with the same plan and ds_config; reused" in proc.stdout
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"nshard.study: error: study.store: pushing commitment.json to {study['store']}/commitment/")
+    assert "so nothing was scored" in error and "127.0.0.1:9" in error
+    assert "[study] score" not in proc.stdout
+    assert not (out / "eval").exists() and not (out / "anchor.json").exists() and not (out / "results.json").exists()
+
+
 def test_a_rerun_reuses_finished_arms_and_keeps_the_failed_attempts(study):
-    proc = run_study(study["plan"], study["out"])
+    proc = run_study(study, study["out"])
     assert proc.returncode == 1
     for arm in ("one-rank", "dense", "powersgd"):
         assert f"arm {arm}: finished earlier with the same plan and ds_config; reused" in proc.stdout
@@ -298,7 +384,7 @@ def test_scoring_an_uncommitted_model_is_refused_unless_exploratory(study, tmp_p
 
 
 def test_an_exploratory_study_says_so_in_every_output(study):
-    proc = run_study(study["plan"], study["out"], "--exploratory")
+    proc = run_study(study, study["out"], "--exploratory")
     assert proc.returncode == 1
     out = study["out"]
     assert json.loads((out / "results.json").read_text())["exploratory"] is True

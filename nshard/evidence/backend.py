@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 from pathlib import Path
 from typing import Iterator, Protocol
 
@@ -24,9 +25,22 @@ class Backend(Protocol):
 
     def check(self, writing: bool) -> None: ...           # the store is reachable (and exists, unless writing)
     def size(self, key: str) -> int | None: ...           # None when the key does not exist
-    def put(self, key: str, source: Path | bytes, sha256: str) -> None: ...
+    def put(self, key: str, source: Path | bytes, sha256: str) -> bool: ...  # False: the key existed, left as it was
+    def delete(self, key: str) -> None: ...               # only a key this backend object wrote itself
     def read_to(self, key: str, sink: Sink) -> str: ...   # stream every byte into sink; returns their SHA-256
     def keys(self, prefix: str) -> Iterator[str]: ...
+    def last_modified(self, key: str) -> tuple[str, str]: ...  # (ISO 8601 UTC time, "s3-server" or "local")
+
+
+S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]")
+
+
+def split_s3_uri(uri: str) -> tuple[str, str]:
+    """s3://bucket/prefix -> (bucket, prefix without outer slashes); BadInput for a malformed bucket name."""
+    bucket, _, prefix = uri[len("s3://"):].partition("/")
+    if not uri.startswith("s3://") or not S3_BUCKET.fullmatch(bucket):
+        raise BadInput(f"{uri!r}: expected s3://bucket/prefix with a valid bucket name")
+    return bucket, prefix.strip("/")
 
 
 class Sink:

@@ -5,14 +5,17 @@
     python -m nshard.evidence.store pull URI DEST     # rebuild the tree, hashes checked as it is written
 
 Layout under URI: `objects/sha256/<2 hex>/<sha256>` for each file's bytes, and `index.json` (relative path ->
-sha256, bytes), written last, only once every object has been read back and matched. An object key is never
-given other bytes than its name says. S3 is configured only as AWS tools are (AWS_ENDPOINT_URL, AWS_PROFILE,
-the standard credential chain); nshard never takes, prints or logs credentials.
+sha256, bytes), written last, only once every object has been read back and matched. Every write is
+conditional (S3: If-None-Match; local: link), so a key is never replaced and of two pushes of different trees to
+one URI exactly one writes its index; a write whose read-back does not match is removed again. S3 is configured
+only as AWS tools are (AWS_ENDPOINT_URL, AWS_PROFILE, the standard credential chain); nshard never takes, prints
+or logs credentials.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
 import json
 import os
@@ -41,6 +44,7 @@ class LocalBackend:
 
     def __init__(self, root: Path):
         self.root, self.uri = Path(root), str(root)
+        self.written: dict[str, int] = {}  # key -> inode of each file this backend linked: delete() needs it
 
     def check(self, writing: bool) -> None:
         if self.root.exists() and not self.root.is_dir():
@@ -52,7 +56,7 @@ class LocalBackend:
         path = self.root / key
         return path.stat().st_size if path.is_file() else None
 
-    def put(self, key: str, source: Path | bytes, sha256: str) -> None:
+    def put(self, key: str, source: Path | bytes, sha256: str) -> bool:
         path = self.root / key
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".put-")
@@ -68,12 +72,25 @@ class LocalBackend:
             try:
                 os.link(tmp, path)  # unlike rename, link refuses an existing name: no key is ever replaced
             except FileExistsError:
-                pass  # a concurrent writer; the caller reads the key back either way
+                return False  # another writer got there first; the caller reads the key back either way
+            self.written[key] = path.stat().st_ino
+            return True
         finally:
             os.unlink(tmp)
 
+    def delete(self, key: str) -> None:
+        """Remove a file this backend linked, and only while it is still that file."""
+        path = self.root / key
+        if self.written.pop(key, None) != path.stat().st_ino:
+            raise StoreError(f"{path} was not written by this push; it is never deleted")
+        path.unlink()
+
     def read_to(self, key: str, sink: Sink) -> str:
         return hash_into(file_chunks(self.root / key), sink)
+
+    def last_modified(self, key: str) -> tuple[str, str]:
+        mtime = (self.root / key).stat().st_mtime
+        return datetime.datetime.fromtimestamp(mtime, datetime.timezone.utc).isoformat(), "local"
 
     def keys(self, prefix: str) -> Iterator[str]:
         base = self.root / prefix
@@ -92,19 +109,21 @@ def open_backend(uri: str) -> Backend:
     return LocalBackend(Path(uri))
 
 
-def put_verified(backend: Backend, key: str, source: Path | bytes, sha256: str) -> bool:
-    """Store source under key unless it is already there; done only once a full read-back matches. True if written."""
-    if backend.size(key) is not None:
-        found = read_sha256(backend, key)
-        if found != sha256:
-            raise StoreError(f"{backend.uri}/{key} already exists with sha256 {found}, not {sha256}; "
-                             "it is never overwritten: check it and remove it by hand")
-        return False
-    backend.put(key, source, sha256)
+def put_verified(backend: Backend, key: str, source: Path | bytes, sha256: str, taken: str = "") -> bool:
+    """Store source under key unless it is already there; done only once a full read-back matches. True if written.
+    A read-back that does not match removes what this call wrote, so pushing again can succeed. A key that
+    someone else wrote (before, or racing this call) with other bytes is never touched: the error is `taken`
+    (with {found} replaced) or names the key."""
+    created = backend.size(key) is None and backend.put(key, source, sha256)  # put itself refuses an existing key
     found = read_sha256(backend, key)
-    if found != sha256:
-        raise StoreError(f"read-back of {backend.uri}/{key}: sha256 {found}, uploaded {sha256}")
-    return True
+    if found == sha256:
+        return created
+    if created:
+        backend.delete(key)
+        raise StoreError(f"read-back of {backend.uri}/{key}: sha256 {found}, uploaded {sha256}; "
+                         "what was written is removed again: push again")
+    raise StoreError(taken.replace("{found}", found) or f"{backend.uri}/{key} already exists with sha256 {found}, not "
+                     f"{sha256}; it is never overwritten: check it and remove it by hand")
 
 
 def source_files(src: Path) -> dict[str, Path]:
@@ -129,7 +148,11 @@ def index_bytes(entries: dict) -> bytes:
 
 
 def push(src: Path, backend: Backend) -> dict:
-    files = source_files(Path(src))
+    return push_files(source_files(Path(src)), backend)
+
+
+def push_files(files: dict[str, Path], backend: Backend) -> dict:
+    """Store each file (relative POSIX path -> file) as an object, then the index naming them all."""
     backend.check(writing=True)
     entries, written = {}, 0
     for rel, path in files.items():
@@ -139,9 +162,11 @@ def push(src: Path, backend: Backend) -> dict:
     index = index_bytes(entries)
     index_sha = hashlib.sha256(index).hexdigest()
     # Last, and only after every object matched: an index in the store means the whole tree is there.
-    if backend.size(INDEX) is not None and read_sha256(backend, INDEX) != index_sha:
-        raise StoreError(f"{backend.uri} already holds another tree ({INDEX} differs); push to a new prefix")
-    written += put_verified(backend, INDEX, index, index_sha)
+    # Only where no index exists (S3: If-None-Match; local: link), so of two pushes of different trees to one URI
+    # exactly one wins; the same tree pushed twice finds its own index.
+    written += put_verified(backend, INDEX, index, index_sha,
+                            taken=f"{backend.uri} already holds another tree ({INDEX} sha256 {{found}}, this push's "
+                                  f"{index_sha}); it was left as it is: push to a new prefix")
     return {"uri": backend.uri, "files": len(entries), "bytes": sum(e["bytes"] for e in entries.values()),
             "objects_written": written, "index_sha256": index_sha}
 

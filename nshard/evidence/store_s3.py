@@ -8,7 +8,8 @@ reported here; error messages carry the operation, key and S3 error code, never 
 from __future__ import annotations
 
 import base64
-import re
+import datetime
+import hashlib
 import sys
 import time
 from pathlib import Path
@@ -18,11 +19,11 @@ import urllib3
 from botocore import exceptions as boto_errors
 from botocore.config import Config
 
-from nshard.evidence.backend import BadInput, Sink, StoreError, backoff_s, hash_into
+from nshard.evidence.backend import BadInput, Sink, StoreError, backoff_s, hash_into, split_s3_uri
 from nshard.files import CHUNK
 
 TRANSIENT_CODES = {"RequestTimeout", "SlowDown", "Throttling", "ThrottlingException", "InternalError",
-                   "ServiceUnavailable"}
+                   "ServiceUnavailable", "ConditionalRequestConflict"}  # 409: a racing conditional write, retry
 TRANSIENT_ERRORS = (boto_errors.HTTPClientError, boto_errors.ConnectionError, boto_errors.IncompleteReadError,
                     boto_errors.FlexibleChecksumError, urllib3.exceptions.HTTPError, ConnectionError, TimeoutError)
 
@@ -38,6 +39,15 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, TRANSIENT_ERRORS)
 
 
+def taken(exc: BaseException) -> bool:
+    """412 to an If-None-Match write: another writer created the key first."""
+    return isinstance(exc, boto_errors.ClientError) and _status(exc) == 412
+
+
+def sha256_b64(digest_hex: str) -> str:
+    return base64.b64encode(bytes.fromhex(digest_hex)).decode()
+
+
 def describe(exc: BaseException) -> str:
     if isinstance(exc, boto_errors.ClientError):
         error = exc.response.get("Error", {})
@@ -50,12 +60,10 @@ class S3Backend:
 
     def __init__(self, uri: str, *, attempts: int = 6, part_bytes: int = 64 << 20, connect_timeout_s: float = 10,
                  read_timeout_s: float = 60):
-        bucket, _, prefix = uri[len("s3://"):].partition("/")
-        if not re.fullmatch(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]", bucket):
-            raise BadInput(f"{uri!r}: expected s3://bucket/prefix with a valid bucket name")
-        self.bucket, self.prefix = bucket, prefix.strip("/")
-        self.uri = f"s3://{bucket}/{self.prefix}".rstrip("/")
+        self.bucket, self.prefix = split_s3_uri(uri)
+        self.uri = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
         self.attempts, self.part_bytes, self.retries = attempts, part_bytes, 0
+        self.written: dict[str, str] = {}  # key -> ETag of each object this backend created: delete() needs it
         try:
             session = boto3.session.Session()  # AWS_PROFILE, environment, config files, instance roles
         except boto_errors.ProfileNotFound as exc:
@@ -105,38 +113,82 @@ class S3Backend:
                 raise
         return self._call(f"HEAD {self.uri}/{key}", head)
 
-    def put(self, key: str, source: Path | bytes, sha256: str) -> None:
+    def put(self, key: str, source: Path | bytes, sha256: str) -> bool:
         size = len(source) if isinstance(source, bytes) else Path(source).stat().st_size
         if size > self.part_bytes:
             return self._put_multipart(key, Path(source))
         # AWS S3 checks the body against this SHA-256 and refuses it if they differ (moto does not check it).
-        checksum = base64.b64encode(bytes.fromhex(sha256)).decode()
+        # If-None-Match: a key that exists, written by anyone, is never replaced (412).
 
         def put_once():
             body = source if isinstance(source, bytes) else Path(source).read_bytes()
-            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=body, ChecksumSHA256=checksum)
-        self._call(f"PUT {self.uri}/{key}", put_once)
+            try:
+                return self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=body, IfNoneMatch="*",
+                                              ChecksumSHA256=sha256_b64(sha256))["ETag"]
+            except boto_errors.ClientError as exc:
+                if taken(exc):  # also what a retry sees when the first attempt's reply was lost
+                    return None
+                raise
+        return self._created(key, self._call(f"PUT {self.uri}/{key}", put_once))
 
-    def _put_multipart(self, key: str, path: Path) -> None:
+    def _created(self, key: str, etag: str | None) -> bool:
+        if etag is not None:
+            self.written[key] = etag
+        return etag is not None
+
+    def _put_multipart(self, key: str, path: Path) -> bool:
         where = dict(Bucket=self.bucket, Key=self._key(key))
-        upload_id = self._call(f"start upload {self.uri}/{key}",
-                               lambda: self.client.create_multipart_upload(**where)["UploadId"])
+        upload_id = self._call(f"start upload {self.uri}/{key}", lambda: self.client.create_multipart_upload(
+            **where, ChecksumAlgorithm="SHA256")["UploadId"])
         try:
-            parts = []
-            with open(path, "rb") as f:
-                while chunk := f.read(self.part_bytes):
-                    number = len(parts) + 1
-                    etag = self._call(f"PUT {self.uri}/{key} part {number}", lambda: self.client.upload_part(
-                        **where, UploadId=upload_id, PartNumber=number, Body=chunk)["ETag"])
-                    parts.append({"PartNumber": number, "ETag": etag})
-            self._call(f"complete upload {self.uri}/{key}", lambda: self.client.complete_multipart_upload(
-                **where, UploadId=upload_id, MultipartUpload={"Parts": parts}))
+            parts = self._upload_parts(key, path, where, upload_id)
+
+            def complete():
+                try:
+                    return self.client.complete_multipart_upload(**where, UploadId=upload_id, IfNoneMatch="*",
+                                                                 MultipartUpload={"Parts": parts})["ETag"]
+                except boto_errors.ClientError as exc:
+                    if taken(exc):
+                        return None
+                    raise
+            etag = self._call(f"complete upload {self.uri}/{key}", complete)
+            if etag is None:
+                self._abort(where, upload_id)
+            return self._created(key, etag)
         except BaseException:
-            try:  # best effort: a dangling upload holds storage but is never visible as an object
-                self.client.abort_multipart_upload(**where, UploadId=upload_id)
-            except Exception:  # noqa: BLE001
-                pass
+            self._abort(where, upload_id)
             raise
+
+    def _upload_parts(self, key: str, path: Path, where: dict, upload_id: str) -> list[dict]:
+        """Each part carries its own SHA-256, which S3 checks on arrival (a mismatch is refused: BadDigest)."""
+        parts = []
+        with open(path, "rb") as f:
+            while chunk := f.read(self.part_bytes):
+                number, checksum = len(parts) + 1, sha256_b64(hashlib.sha256(chunk).hexdigest())
+                etag = self._call(f"PUT {self.uri}/{key} part {number}", lambda: self.client.upload_part(
+                    **where, UploadId=upload_id, PartNumber=number, Body=chunk, ChecksumSHA256=checksum)["ETag"])
+                parts.append({"PartNumber": number, "ETag": etag, "ChecksumSHA256": checksum})
+        return parts
+
+    def _abort(self, where: dict, upload_id: str) -> None:
+        try:  # best effort: a dangling upload holds storage but is never visible as an object
+            self.client.abort_multipart_upload(**where, UploadId=upload_id)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def delete(self, key: str) -> None:
+        """Remove an object this backend wrote, and only if it is still that object (If-Match its ETag)."""
+        if key not in self.written:
+            raise StoreError(f"{self.uri}/{key} was not written by this push; it is never deleted")
+        etag = self.written.pop(key)
+        self._call(f"DELETE {self.uri}/{key}",
+                   lambda: self.client.delete_object(Bucket=self.bucket, Key=self._key(key), IfMatch=etag))
+
+    def last_modified(self, key: str) -> tuple[str, str]:
+        """The server's time of the object's creation (a HEAD's LastModified), not this machine's clock."""
+        head = self._call(f"HEAD {self.uri}/{key}",
+                          lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(key)))
+        return head["LastModified"].astimezone(datetime.timezone.utc).isoformat(), "s3-server"
 
     def read_to(self, key: str, sink: Sink) -> str:
         def get():

@@ -175,8 +175,12 @@ class StudySection:
     validate_regenerate_batches: int = 1
     """Validation generates this many scoring batches of every model again and compares the token ids
     (and scores as many batches of retention documents again); 0 skips it."""
+    store: str = ""
+    """s3://bucket/prefix or a local directory that receives the commitment record before any score, then the
+    models and the evidence archive (docs/evidence.md); empty: nothing is stored."""
 
     def __post_init__(self):
+        _check_store(self.store)
         names = [a.name for a in self.arms]
         if not names:
             raise PlanError("study.arms is empty: list at least the candidate arm")
@@ -275,8 +279,21 @@ def load_plan(path: str | Path) -> Plan:
     plan = plan_from_dict(raw, default_name=path.stem)
     # Files the plan names are found from any working directory (a study run outside the checkout included).
     data = dataclasses.replace(plan.data, replay_file=str(find_beside(plan.data.replay_file, path)))
-    study = dataclasses.replace(plan.study, hostfile=str(find_beside(plan.study.hostfile, path)))
+    study = dataclasses.replace(plan.study, hostfile=str(find_beside(plan.study.hostfile, path)),
+                                store=resolve_store(plan.study.store, path))
     return dataclasses.replace(plan, data=data, study=study)
+
+
+def resolve_store(store: str, plan_path: Path) -> str:
+    """A local store directory becomes absolute: an existing one is found like the plan's other paths, a new one
+    is made from the working directory (like --out). An S3 URI stays as given."""
+    if not store or store.startswith("s3://"):
+        return store
+    resolved = Path(find_beside(store, plan_path)).resolve()
+    if resolved.exists() and not resolved.is_dir():
+        raise PlanError(f"study.store={store!r}: {resolved} exists and is not a directory; name a directory "
+                        "(it is created if missing) or s3://bucket/prefix")
+    return str(resolved)
 
 
 def find_beside(name: str, plan_path: Path) -> str | Path:
@@ -333,6 +350,20 @@ def _check_type(key: str, value, hint):
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
         raise PlanError(f"{key} must be {hint.__name__}, got {type(value).__name__} {value!r}")
     return value
+
+
+def _check_store(store: str) -> None:
+    from nshard.evidence.backend import BadInput, split_s3_uri
+
+    if store.startswith("s3://"):
+        try:
+            split_s3_uri(store)
+        except BadInput:
+            raise PlanError(f"study.store={store!r} is not a valid S3 location: use s3://bucket/prefix with a "
+                            "bucket name of 3-63 lowercase letters, digits, '.' or '-'") from None
+    elif "://" in store:
+        raise PlanError(f"study.store={store!r}: only s3://bucket/prefix or a local directory can hold a study; "
+                        "fix study.store or leave it empty")
 
 
 def _positive(key: str, value) -> None:

@@ -5,7 +5,9 @@ validate the scores, and analyze (screens, report, plots).
 
 DIR (default runs/study-<plan name>) holds study.json, arms/<arm>/ (one run directory each),
 logs/, commitment.json, eval/<model>/, validation.json, results.json, report.md, plots/, and last
-evidence.tar (+ .sha256): the study's evidence and source in one archive (nshard/evidence/archive.py).
+evidence.tar (+ .sha256): the study's evidence and source in one archive (nshard/evidence/archive.py). With
+study.store set, the record is pushed there before any score (anchor.json says where and when), and the committed
+models and the evidence archive after the report (results.json's "stored").
 Running it again reuses every arm that finished with the same plan, ds_config and rank count.
 A failed arm keeps its log and run directory (under failed/) and is reported as failed.
 """
@@ -225,6 +227,71 @@ def prepare_shared_caches(plan: Plan, plan_path: Path) -> None:
     say(f"shared caches ready (model, replay answers, DeepSpeed's CPU collective) in {time.perf_counter() - t0:.0f} s")
 
 
+def push_stored(src: Path | dict[str, Path], uri: str, expect: dict[str, str] | None = None) -> dict:
+    """Push a tree (a directory, or relative path -> file) to a store location, every object read back; with
+    `expect` (relative path -> sha256) the stored index must list exactly those files."""
+    from nshard.evidence.store import open_backend, push_files, read_index, source_files
+
+    backend = open_backend(uri)
+    pushed = push_files(source_files(src) if isinstance(src, Path) else src, backend)
+    if expect is not None and {k: v["sha256"] for k, v in read_index(backend).items()} != expect:
+        raise StudyError(f"{uri} does not hold the committed files {sorted(expect)}; the export changed since the "
+                         "commitment")
+    return {k: pushed[k] for k in ("uri", "index_sha256", "files", "bytes")}
+
+
+def anchor_commitment(plan: Plan, out: Path, record: dict | None) -> dict | None:
+    """With study.store set: before any score, push commitment.json to <store>/commitment/<record[:16]>/ and write
+    anchor.json (where, the index, the record, and the store's own time of the object: S3's clock, not ours)."""
+    from nshard.evidence.backend import StoreError
+    from nshard.evidence.store import object_key, open_backend
+
+    if not plan.study.store or record is None:
+        return None
+    path, record_sha = out / "commitment.json", record["record_sha256"]
+    uri = f"{plan.study.store.rstrip('/')}/commitment/{record_sha[:16]}"
+    try:
+        stored = push_stored(path, uri)
+        stored_at, clock = open_backend(uri).last_modified(object_key(file_sha256(path)))
+    except (StoreError, OSError) as exc:
+        raise StudyError(f"study.store: pushing {path.name} to {uri} failed, so nothing was scored: {exc}; fix the "
+                         "store or its access and run the study again (finished arms are reused)") from None
+    anchor = {**stored, "record_sha256": record_sha, "commitment_json_sha256": file_sha256(path),
+              "stored_at": stored_at, "clock": clock}
+    write_json_atomic(out / "anchor.json", anchor)
+    say(f"commitment {record_sha[:16]} anchored in {anchor['uri']} before scoring (stored at {stored_at}, "
+        f"{clock} clock)")
+    return anchor
+
+
+def push_outputs(plan: Plan, out: Path, record: dict | None) -> dict | None:
+    """With study.store set, after the report (and the evidence archive, where one was made): every committed
+    model to <store>/models/<arm>-<root[:16]>/, evidence.tar and its .sha256 to <store>/evidence/<record[:16]>/;
+    results.json then names each location."""
+    from nshard.evidence.backend import StoreError
+
+    if not plan.study.store or record is None:
+        return None
+    store, record_sha = plan.study.store.rstrip("/"), record["record_sha256"]
+    stored = {"commitment": json.loads((out / "anchor.json").read_text()), "models": {}, "evidence": None}
+    try:
+        for c in record["candidates"]:
+            uri = f"{store}/models/{c['name']}-{c['parameter_root'][:16]}"
+            stored["models"][c["name"]] = push_stored(Path(c["model_dir"]), uri, expect=c["files"])
+            say(f"stored model {c['name']} in {uri}")
+        archive = out / "evidence.tar"
+        if archive.is_file():
+            files = {archive.name: archive, f"{archive.name}.sha256": out / f"{archive.name}.sha256"}
+            stored["evidence"] = push_stored(files, f"{store}/evidence/{record_sha[:16]}")
+            say(f"stored the evidence archive in {stored['evidence']['uri']}")
+    except (StoreError, OSError) as exc:
+        raise StudyError(f"study.store: storing the study's outputs failed: {exc}; the scores stand, results.json "
+                         "names no stored copy: run the study again to push them (nothing is retrained)") from None
+    results = json.loads((out / "results.json").read_text())
+    write_json_atomic(out / "results.json", {**results, "stored": stored})
+    return stored
+
+
 def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = False) -> dict:
     from nshard.run.models import ModelRef, load_tokenizer, resolve_model
     from nshard.study.validate import validate
@@ -268,6 +335,7 @@ def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = Fals
 
     seed_dir = Path(resolve_model(plan.model.spec).path)
     record = None if exploratory else commit_candidates(out, seed_dir, done)
+    anchor_commitment(plan, out, record)
     if exploratory:
         say("EXPLORATORY: scoring without a commitment; every output says so")
     evals = score_all(plan, out, seed_dir, done, record)
@@ -286,6 +354,7 @@ def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = Fals
     archive = create_study_archive(out)
     say(f"evidence: {archive['archive']} ({archive['members']} files, sha256 {archive['sha256'][:16]}; "
         f"python -m nshard.evidence.archive verify {archive['archive']})")
+    push_outputs(plan, out, record)
     return json.loads((out / "results.json").read_text())
 
 
