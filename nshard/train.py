@@ -26,7 +26,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="run directory (default: runs/<plan name>)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     parser.add_argument("--resume", action="store_true",
-                        help="continue the run directory (--out) from its newest complete state")
+                        help="continue the run directory (--out) from its newest state that verifies")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return parser.parse_args(argv)
 

@@ -71,12 +71,13 @@ def final_params(out: Path) -> dict[str, torch.Tensor]:
 _RUNS: dict[str, tuple[str, Path]] = {}
 
 
-def cached_run(tmp_root: Path, name: str, config: dict, world: int = 2, mpi: bool = False) -> Path:
-    """Launch once per test session per name; later tests reuse the run directory (same config only)."""
-    key = json.dumps([config, world, mpi], sort_keys=True)
+def cached_run(tmp_root: Path, name: str, config: dict, world: int = 2, mpi: bool = False,
+               plan: Path = REPO / "launch/plans/tiny.toml") -> Path:
+    """Launch once per test session per name; later tests reuse the run directory (same config and plan text only)."""
+    key = json.dumps([config, world, mpi, Path(plan).read_text()], sort_keys=True)
     if name not in _RUNS:
         out = tmp_root / name
-        launch(out, config, world=world, mpi=mpi)
+        launch(out, config, world=world, mpi=mpi, plan=plan)
         _RUNS[name] = (key, out)
     assert _RUNS[name][0] == key, f"run {name!r} was launched before with another configuration"
     return _RUNS[name][1]

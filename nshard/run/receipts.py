@@ -164,6 +164,22 @@ class Receipt:
         return body
 
 
+def metrics_through(path: Path, update: int) -> list[str]:
+    """The lines of metrics.jsonl for updates 1..update, which must be its first lines, in order (later ones came
+    from updates a crashed run did not save). ValueError names the first line that breaks this."""
+    lines = path.read_text().splitlines()[:update] if path.exists() else []
+    for number, line in enumerate(lines, start=1):
+        try:
+            found = f"update {json.loads(line)['update']!r}"
+        except (ValueError, KeyError, TypeError):
+            found = "no metrics record"
+        if found != f"update {number}":
+            raise ValueError(f"line {number} of {path.name} is {found}, not update {number}")
+    if len(lines) < update:
+        raise ValueError(f"{path.name} holds only {len(lines)} update lines")
+    return lines
+
+
 class MetricsLog:
     """metrics.jsonl, one line per update, written by rank 0 only; other ranks get a null log with the same calls.
 
@@ -172,13 +188,11 @@ class MetricsLog:
     """
 
     def __init__(self, path: Path | None, resume_after: int = 0):
-        kept = []
-        if path and resume_after:
-            lines = path.read_text().splitlines() if path.exists() else []
-            kept = [line for line in lines if line.strip() and json.loads(line)["update"] <= resume_after]
-        self._file = path.open("w") if path else None
-        for line in kept:
-            self._file.write(line + "\n")
+        if path and resume_after:  # the kept lines, byte for byte, replace the file in one rename
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in metrics_through(path, resume_after)))
+            tmp.replace(path)
+        self._file = path.open("a" if resume_after else "w") if path else None
 
     def write(self, record: dict) -> None:
         if self._file:

@@ -4,11 +4,14 @@ the data position, saved atomically and sealed by a manifest of SHA-256s; found 
     RUN/state/update-000012/
         deepspeed/      engine.save_checkpoint: module, optimizer (ZeRO partitions), scheduler, step counters
         rank-<r>.pt     that rank's reducer state, Python/NumPy/torch RNG states, receipt counters
-        manifest.json   written last, by rank 0: the run's identity and the SHA-256 of every file above
+        manifest.json   written last, by rank 0: the run's identity, the parameter root at the save and
+                        the SHA-256 of every file above (its completion marker)
+    RUN/state/damaged/update-000014/    a damaged state that --resume passed over, set aside (never deleted)
 
 A state is written under state/.tmp-update-000012/ and renamed into place only once sealed, so a crash
-in the middle of a save leaves the previous complete state the newest; a directory without its
-manifest is never used, and one whose files do not match it is refused.
+in the middle of a save leaves the previous complete state the newest. --resume continues from the newest
+state that verifies; newer ones without their manifest or whose files do not match it are passed over,
+named, and set aside once the chosen state has passed every check.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import random
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,10 +33,12 @@ from nshard.run import fault
 from nshard.comm.agree import shapes_sha256
 from nshard.files import file_sha256, first_difference, write_json_atomic
 from nshard.run.ranks import RunError, all_ranks, on_main_rank
-from nshard.run.receipts import Receipt, parameter_root
+from nshard.run.receipts import Receipt, metrics_through, parameter_root
 
 FORMAT = "nshard-state/1"
 MANIFEST = "manifest.json"
+DAMAGED = "damaged"
+"""state/damaged/: where damaged states are set aside, out of reach of --resume and of the pruning of old states."""
 # Checked before any process group exists (from the command line), and once the inputs and model are built.
 EARLY_FIELDS = {"plan_sha256": "plan", "ds_config_sha256": "ds_config", "world_size": "world size"}
 LATE_FIELDS = {"prepared_identity": "prepared inputs", "parameter_set_sha256": "parameter set (names and shapes)"}
@@ -42,13 +48,39 @@ class StateError(RunError):
     """A state that cannot be resumed; the message names what differs and what to do."""
 
 
+class DamagedState(StateError):
+    """A state whose manifest or files are not whole: --resume passes over it to an older one."""
+
+    def __init__(self, state: Path, why: str):
+        super().__init__(f"--resume: {state} is damaged: {why}")
+        self.why = why
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The state --resume continues from, and the newer states it passed over because they are damaged."""
+
+    state: Path
+    update: int
+    skipped: tuple[dict, ...] = ()
+    """{"state": name, "why": what is damaged}, newest first."""
+
+    def record(self) -> dict:
+        return {"state": self.state.name, "update": self.update, "skipped": [dict(s) for s in self.skipped]}
+
+
 def state_name(update: int) -> str:
     return f"update-{update:06d}"
 
 
+def state_dirs(out: Path) -> list[Path]:
+    """Every state directory, sealed or not, oldest first (a save in progress, .tmp-*, is none)."""
+    return sorted(p for p in (out / "state").glob("update-*") if p.is_dir() and p.name[7:].isdigit())
+
+
 def sealed_states(out: Path) -> list[Path]:
     """Complete states, oldest first: directories named update-NNNNNN that hold their manifest."""
-    return sorted(p for p in (out / "state").glob("update-*") if (p / MANIFEST).is_file())
+    return [p for p in state_dirs(out) if (p / MANIFEST).is_file()]
 
 
 def rng_states() -> dict:
@@ -67,12 +99,20 @@ def set_rng_states(states: dict) -> None:
 
 
 def read_manifest(state: Path) -> dict:
+    """The state's manifest, whole: the right format, of this directory's update, with the parameter root."""
+    if not (state / MANIFEST).is_file():
+        raise DamagedState(state, f"no {MANIFEST}: its save never finished, or its completion marker was removed")
     try:
         manifest = json.loads((state / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise StateError(f"--resume: {state}/{MANIFEST} cannot be read ({exc}); the state is damaged") from None
+        raise DamagedState(state, f"{MANIFEST} cannot be read ({exc})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise StateError(f"--resume: {state}/{MANIFEST} is not an {FORMAT} manifest (a foreign directory)")
+        raise DamagedState(state, f"{MANIFEST} is not an {FORMAT} manifest (a foreign directory)")
+    if manifest.get("update") != int(state.name[7:]):
+        raise DamagedState(state, f"{MANIFEST} is of update {manifest.get('update')}, not of {state.name}")
+    if not isinstance(manifest.get("parameter_root"), str):
+        raise DamagedState(state, f"{MANIFEST} records no parameter_root (saved by an older nshard), so the "
+                                  "weights it holds cannot be checked")
     return manifest
 
 
@@ -85,10 +125,20 @@ def verify_files(state: Path, manifest: dict) -> None:
         return
     kind, rel = difference
     if kind == "missing":
-        raise StateError(f"--resume: {state} is truncated: {rel}, which its manifest lists, is missing")
+        raise DamagedState(state, f"{rel}, which its manifest lists, is missing")
     if kind == "extra":
-        raise StateError(f"--resume: {state} holds {rel}, which its manifest does not list (a foreign or altered state)")
-    raise StateError(f"--resume: {state}/{rel} does not match its manifest's SHA-256 (truncated or altered)")
+        raise DamagedState(state, f"it holds {rel}, which its manifest does not list (a foreign or altered state)")
+    raise DamagedState(state, f"{rel} does not match its manifest's SHA-256 (truncated or altered)")
+
+
+def damage(state: Path) -> str | None:
+    """What makes a state unusable as it is (manifest missing, unreadable or foreign; a file missing, extra or
+    changed), or None when it verifies."""
+    try:
+        verify_files(state, read_manifest(state))
+    except DamagedState as exc:
+        return exc.why
+    return None
 
 
 def check_fields(state: Path, manifest: dict, current: dict, fields: dict) -> None:
@@ -98,22 +148,58 @@ def check_fields(state: Path, manifest: dict, current: dict, fields: dict) -> No
                              f"{current[key]} now); resume with the run's own inputs, or start a new run")
 
 
-def find_resumable(out: Path, plan_path: Path, ds_config_path: Path, world_size: int) -> Path:
-    """The newest complete state of run directory `out`, checked against this command line and its manifest.
+def find_resumable(out: Path, plan_path: Path, ds_config_path: Path, world_size: int) -> ResumePoint:
+    """The newest state of run directory `out` that verifies, checked against this command line and metrics.jsonl;
+    newer, damaged states are passed over and named in the ResumePoint.
 
-    Runs in every process before any process group exists, so a refusal is one clear error line.
+    Runs in every process before any process group exists and writes nothing, so a refusal is one clear error
+    line and leaves the run directory as it was.
     """
     if not (out / "plan.toml").is_file():
         raise StateError(f"--resume: {out} is not an nshard run directory (no plan.toml); give --out the run to continue")
-    states = sealed_states(out)
-    if not states:
+    skipped = []
+    for state in reversed(state_dirs(out)):
+        why = damage(state)
+        if why is None:
+            manifest = read_manifest(state)
+            current = {"plan_sha256": file_sha256(plan_path), "ds_config_sha256": file_sha256(ds_config_path),
+                       "world_size": world_size}
+            check_fields(state, manifest, current, EARLY_FIELDS)
+            check_metrics(out, state, manifest["update"])
+            return ResumePoint(state, manifest["update"], tuple(skipped))
+        skipped.append({"state": state.name, "why": why})
+    if not skipped:
         raise StateError(f"--resume: {out}/state holds no complete state; rerun without --resume (and with --overwrite)")
-    manifest = read_manifest(states[-1])
-    current = {"plan_sha256": file_sha256(plan_path), "ds_config_sha256": file_sha256(ds_config_path),
-               "world_size": world_size}
-    check_fields(states[-1], manifest, current, EARLY_FIELDS)
-    verify_files(states[-1], manifest)
-    return states[-1]
+    reasons = "; ".join(f"{entry['state']}: {entry['why']}" for entry in skipped)
+    raise StateError(f"--resume: no state of {out} verifies ({reasons}); the run cannot continue: start a new run "
+                     "with another --out and keep this one as evidence")
+
+
+def check_metrics(out: Path, state: Path, update: int) -> None:
+    """metrics.jsonl must hold updates 1..update, in order, as its first lines: the ones a resume keeps."""
+    try:
+        metrics_through(out / "metrics.jsonl", update)
+    except ValueError as exc:
+        raise StateError(f"--resume: {state} is at update {update} but {exc}; metrics.jsonl must hold updates "
+                         f"1..{update} as its first lines: restore it from a copy, or start a new run") from None
+
+
+def set_aside(out: Path, skipped) -> list[dict]:
+    """Move each damaged state passed over into state/damaged/ (never deleted: it is evidence); returns the
+    skipped records with where each now lies (kept_at, relative to the run directory)."""
+    return [{**entry, "kept_at": _set_aside(out / "state" / entry["state"]).relative_to(out).as_posix()}
+            for entry in skipped]
+
+
+def _set_aside(state: Path) -> Path:
+    folder = state.parent / DAMAGED
+    folder.mkdir(exist_ok=True)
+    dest, n = folder / state.name, 1
+    while dest.exists():  # the same update damaged again, on a later resume
+        n += 1
+        dest = folder / f"{state.name}.{n}"
+    state.rename(dest)
+    return dest
 
 
 def parameter_set_sha256(module: torch.nn.Module) -> str:
@@ -137,19 +223,19 @@ class StateKeeper:
         fault.strike(rank, done, "update")
         fault.strike(rank, done, "diverge", self.engine.module)
         saving = ck.every > 0 and done % ck.every == 0
-        if saving or (ck.replica_check_every > 0 and done % ck.replica_check_every == 0):
-            self.check_replicas(done, receipt)
         if saving:
-            self.save(done, receipt)
+            self.save(done, receipt, self.check_replicas(done, receipt))
+        elif ck.replica_check_every > 0 and done % ck.replica_check_every == 0:
+            self.check_replicas(done, receipt)
 
     def finish(self, done: int, receipt: Receipt) -> None:
         """The state at the end of the run (unless the last update's was just saved)."""
         if self.last_saved != done:
-            self.check_replicas(done, receipt)
-            self.save(done, receipt)
+            self.save(done, receipt, self.check_replicas(done, receipt))
 
-    def check_replicas(self, done: int, receipt: Receipt) -> None:
-        """All ranks compare parameter roots; a divergence stops the run before anything is saved from it."""
+    def check_replicas(self, done: int, receipt: Receipt) -> str:
+        """All ranks compare parameter roots; a divergence stops the run before anything is saved from it.
+        Returns the root they agree on."""
         t0 = time.perf_counter()
         with engine_mod.full_parameters(self.engine):
             root = parameter_root(self.engine.module.named_parameters())
@@ -160,9 +246,11 @@ class StateKeeper:
             raise RunError(f"after update {done} the replicas diverged (parameter roots by rank: "
                            f"{', '.join(r[:16] for r in roots)}); the run stops here. The last complete state is "
                            f"{states[-1] if states else 'none'}; find the cause before resuming from it")
+        return root
 
-    def save(self, done: int, receipt: Receipt) -> None:
-        """Every rank writes its part into a fresh temp directory; rank 0 seals it and renames it into place."""
+    def save(self, done: int, receipt: Receipt, parameter_root_now: str) -> None:
+        """Every rank writes its part into a fresh temp directory; rank 0 seals it, with the parameter root the
+        ranks agreed on just before (check_replicas), and renames it into place."""
         t0 = time.perf_counter()
         run, root = self.run, self.run.out / "state"
         tmp = root / f".tmp-{state_name(done)}"
@@ -173,7 +261,7 @@ class StateKeeper:
                 "receipt": receipt.state_dict()}
         torch.save(part, tmp / f"rank-{run.rank}.pt")
         dist.barrier()
-        fields = {"format": FORMAT, "update": done, **self.identity,
+        fields = {"format": FORMAT, "update": done, **self.identity, "parameter_root": parameter_root_now,
                   "written_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
         sealed = on_main_rank(run, _seal, tmp, root / state_name(done), fields, t0, run.plan.checkpoint.keep)
         seconds = time.perf_counter() - t0
@@ -184,12 +272,16 @@ class StateKeeper:
             print(f"nshard: state {state_name(done)} sealed: {sealed['bytes'] / 1e6:.1f} MB in {seconds:.2f} s",
                   flush=True)
 
-    def restore(self, state: Path) -> tuple[int, Receipt]:
-        """Load a state found by find_resumable; returns (next update, the receipt counters so far)."""
+    def restore(self, point: ResumePoint) -> tuple[int, Receipt]:
+        """Load a state found by find_resumable, checked on every rank before anything goes on (its inputs and
+        parameter set, then the loaded weights and next update: check_loaded); returns (next update, the receipt
+        counters so far). Writes nothing: a refusal leaves the run directory as it was."""
+        state = point.state
         manifest = read_manifest(state)
         check_fields(state, manifest, self.identity, LATE_FIELDS)
         engine_mod.load_checkpoint(self.engine, state)
         part = torch.load(state / f"rank-{self.run.rank}.pt", map_location="cpu", weights_only=False)
+        self.check_loaded(state, manifest, part["next_update"])
         self.seam.load_state_dict(part["seam"])
         receipt = Receipt.from_state_dict(part["receipt"])
         # The save that made this state ended after its rank parts were written: its record comes from the seal.
@@ -199,6 +291,25 @@ class StateKeeper:
         set_rng_states(part["rng"])  # last: nothing between here and the next update may draw
         self.last_saved = part["next_update"]
         return part["next_update"], receipt
+
+    def check_loaded(self, state: Path, manifest: dict, next_update: int) -> None:
+        """Every rank's loaded weights hash to the parameter root recorded at the save, and its part continues at
+        the manifest's update; otherwise every rank stops, naming the state and both roots."""
+        with engine_mod.full_parameters(self.engine):  # ZeRO-1/2 replicas are full already; ZeRO-3 gathers
+            root = parameter_root(self.engine.module.named_parameters())
+        found = all_ranks((root, next_update))
+        recorded, update = manifest["parameter_root"], manifest["update"]
+        roots = [r for r, _ in found]
+        if set(roots) != {recorded}:
+            loaded = roots[0] if len(set(roots)) == 1 else ", ".join(f"rank {i}: {r}" for i, r in enumerate(roots))
+            raise StateError(f"--resume: {state}: the loaded weights have parameter root {loaded}, but the state "
+                             f"recorded parameter root {recorded} when it was saved; these are not the weights it "
+                             f"saved: move it into state/{DAMAGED}/ to resume from the previous state, or start a new run")
+        for rank, (_, n) in enumerate(found):
+            if n != update:
+                raise StateError(f"--resume: {state}: rank-{rank}.pt has next_update {n} but its manifest is of "
+                                 f"update {update}; the state is inconsistent: move it into state/{DAMAGED}/ to "
+                                 "resume from the previous state, or start a new run")
 
 
 def _fresh_dir(path: Path) -> None:
@@ -213,8 +324,8 @@ def _seal(tmp: Path, final: Path, fields: dict, t0: float, keep: int) -> dict:
                 "bytes": sum(p.stat().st_size for p in files)}
     manifest["seal_s"] = time.perf_counter() - t0
     write_json_atomic(tmp / MANIFEST, manifest)
-    if final.exists():  # only a state of an update after the one resumed from: never the newest complete one
-        shutil.rmtree(final)
+    if final.exists():  # --resume sets newer states aside, so none should be here; kept as evidence all the same
+        _set_aside(final)
     tmp.rename(final)
     for old in sealed_states(final.parent.parent)[:-keep]:  # final is RUN/state/update-N
         shutil.rmtree(old)

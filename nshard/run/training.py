@@ -210,7 +210,24 @@ def export_model(run: Run, engine, tokenizer, prepared_identity: str) -> str:
     return root
 
 
-def run_training(run: Run, overwrite: bool = False, resume_from: Path | None = None) -> dict:
+def write_prepared(run: Run, inputs: tuple) -> None:
+    docs, prepared, schedule, sets, identity = inputs
+    data_mod.write_prepared(run.out / "prepared", docs, prepared, schedule, sets, identity)
+    print(f"prepared identity {identity}", flush=True)
+
+
+def record_resume(run: Run, point: state_mod.ResumePoint, inputs: tuple) -> dict:
+    """Once the state has passed every check: prepared/ (the inputs it was made with), the damaged newer states set
+    aside, and run.json saying which state the run continues from and which it passed over."""
+    write_prepared(run, inputs)
+    record = {**point.record(), "skipped": state_mod.set_aside(run.out, point.skipped)}
+    write_run_json(run, "running", resumed_from_update=point.update, resumed_from=record)
+    skipped = "".join(f"; skipped {s['state']} ({s['why']}), kept at {s['kept_at']}" for s in record["skipped"])
+    print(f"nshard: resumed from state {point.state.name} (update {point.update}){skipped}", flush=True)
+    return record
+
+
+def run_training(run: Run, overwrite: bool = False, resume_from: state_mod.ResumePoint | None = None) -> dict:
     """A fresh run, or (resume_from: a state found by nshard.run.state.find_resumable) one continued from a state."""
     from nshard.run.models import load_model, load_tokenizer, resolve_model
 
@@ -223,20 +240,20 @@ def run_training(run: Run, overwrite: bool = False, resume_from: Path | None = N
     on_main_rank(run, resolve_model, run.plan.model.spec)
     model_ref = resolve_model(run.plan.model.spec)
     tokenizer = load_tokenizer(model_ref)
-    docs, prepared, schedule, sets, identity = prepare_inputs(run, tokenizer, model_ref)
-    # Only now, with every input checked, does the run directory appear (a resumed run's exists).
+    inputs = prepare_inputs(run, tokenizer, model_ref)
+    docs, prepared, schedule, sets, identity = inputs
+    # Only now, with every input checked, does the run directory appear. A resumed run's is written only once its
+    # state has passed every check (keeper.restore), so a refused resume leaves it as it was.
     if resume_from is None:
         on_main_rank(run, setup_run_dir, run, overwrite)
-    if run.is_main:
-        data_mod.write_prepared(run.out / "prepared", docs, prepared, schedule, sets, identity)
-        print(f"prepared identity {identity}", flush=True)
+        if run.is_main:
+            write_prepared(run, inputs)
     torch.manual_seed(run.plan.train.seed)
     engine = engine_mod.build_engine(load_model(model_ref), run.ds_config)
     seam = engine_mod.install_reducer(engine, run.reducer)
     keeper = state_mod.StateKeeper(run, engine, seam, identity)
     start, receipt = keeper.restore(resume_from) if resume_from else (0, None)
-    if resume_from:
-        on_main_rank(run, write_run_json, run, "running", resumed_from_update=start)
+    resumed = on_main_rank(run, record_resume, run, resume_from, inputs) if resume_from else None
     setup_gpu = gpu_peaks.take()  # model load, replay generation, engine build (and restore)
     receipt = train(run, engine, seam, prepared, schedule, tokenizer.pad_token_id, keeper, start, receipt)
     receipt.record_gpu_phase("setup", setup_gpu)
@@ -257,7 +274,7 @@ def run_training(run: Run, overwrite: bool = False, resume_from: Path | None = N
         write_run_json(run, "complete", prepared_identity=identity, parameter_root=root,
                        model={"spec": model_ref.spec, "kind": model_ref.kind, "sha256": model_ref.sha256},
                        zero_stage=extra["zero_stage"], reducer=extra["reducer"],
-                       resumed_from_update=body["resumed_from_update"])
+                       resumed_from_update=body["resumed_from_update"], resumed_from=resumed)
         print(json.dumps({"run": str(run.out), "parameter_root": root, "active_s": round(body["active_s"], 3)}),
               flush=True)
     return body
