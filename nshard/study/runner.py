@@ -266,7 +266,7 @@ def anchor_commitment(plan: Plan, out: Path, record: dict | None) -> dict | None
 
 def push_outputs(plan: Plan, out: Path, record: dict | None) -> dict | None:
     """With study.store set, after the report (and the evidence archive, where one was made): every committed
-    model to <store>/models/<arm>-<root[:16]>/, evidence.tar and its .sha256 to <store>/evidence/<record[:16]>/;
+    model to <store>/models/<arm>-<root[:16]>/, evidence.tar and its .sha256 to <store>/evidence/<record[:16]>-<archive sha256[:16]>/;
     results.json then names each location."""
     from nshard.evidence.backend import StoreError
 
@@ -282,7 +282,10 @@ def push_outputs(plan: Plan, out: Path, record: dict | None) -> dict | None:
         archive = out / "evidence.tar"
         if archive.is_file():
             files = {archive.name: archive, f"{archive.name}.sha256": out / f"{archive.name}.sha256"}
-            stored["evidence"] = push_stored(files, f"{store}/evidence/{record_sha[:16]}")
+            # One prefix per archive: a re-run writes a new archive (its study.json and logs differ), never
+            # over the one an earlier run stored.
+            archive_sha = file_sha256(archive)
+            stored["evidence"] = push_stored(files, f"{store}/evidence/{record_sha[:16]}-{archive_sha[:16]}")
             say(f"stored the evidence archive in {stored['evidence']['uri']}")
     except (StoreError, OSError) as exc:
         raise StudyError(f"study.store: storing the study's outputs failed: {exc}; the scores stand, results.json "
