@@ -203,7 +203,10 @@ def test_the_study_archives_its_evidence_beside_the_results(study, tmp_path):
     assert checked.returncode == 0 and json.loads(checked.stdout)["anchored"], checked.stderr
     index, members, _ = verify(archive)
     held = {name.removeprefix("study/"): data for name, data in members.items() if name.startswith("study/")}
-    for rel in ["commitment.json", "validation.json", "results.json", "report.md", "study.json", "plan.toml",
+    # results.json as the report wrote it: the store's locators ("stored") are added after the archive is made.
+    on_disk = json.loads((out / "results.json").read_text())
+    assert json.loads(held["results.json"]) == {k: v for k, v in on_disk.items() if k != "stored"}
+    for rel in ["commitment.json", "validation.json", "report.md", "study.json", "plan.toml",
                 *[f"eval/{label}/{f}" for label in ("seed", "one-rank", "dense", "powersgd")
                   for f in ("cases.jsonl", "summary.json")],
                 *[str(p.relative_to(out)) for arm in ("one-rank", "dense", "powersgd")
