@@ -55,15 +55,17 @@ seed = 0
 
 
 def parse_arm(name: str) -> dict:
-    """'s2-powersgd-bf16-host' -> stage 2, powersgd, bf16, host error memory, 2 ranks ('-1r': one rank)."""
+    """'s2-powersgd-bf16-host' -> stage 2, powersgd, bf16, host error memory, 2 ranks ('-1r': one rank);
+    '-delta4' (or 8, 2): delta parameter sync at that many bits."""
     if name == "base":
-        return {"stage": 0, "reducer": "dense", "bf16": False, "host": False, "ranks": 2}
+        return {"stage": 0, "reducer": "dense", "bf16": False, "host": False, "ranks": 2, "delta_bits": None}
     parts = name.split("-")
+    deltas = {f"delta{b}": b for b in (8, 4, 2)}
     if not (parts[0] in ("s0", "s1", "s2") and len(parts) >= 2 and parts[1] in ("dense", "powersgd")
-            and set(parts[2:]) <= {"bf16", "host", "1r"}):
-        raise ValueError(f"arm {name!r}: use s<0|1|2>-<dense|powersgd>[-bf16][-host][-1r]")
+            and set(parts[2:]) <= {"bf16", "host", "1r", *deltas}):
+        raise ValueError(f"arm {name!r}: use s<0|1|2>-<dense|powersgd>[-bf16][-host][-1r][-delta<8|4|2>]")
     return {"stage": int(parts[0][1]), "reducer": parts[1], "bf16": "bf16" in parts, "host": "host" in parts,
-            "ranks": 1 if "1r" in parts else 2}
+            "ranks": 1 if "1r" in parts else 2, "delta_bits": next((deltas[p] for p in parts if p in deltas), None)}
 
 
 def arm_ds_config(arm: dict, rank: int = 32, warmup: int = 1) -> dict:
@@ -74,6 +76,8 @@ def arm_ds_config(arm: dict, rank: int = 32, warmup: int = 1) -> dict:
         config["bf16"] = {"enabled": True}
     if arm["host"]:
         config["nshard"]["error_feedback"] = "host"
+    if arm.get("delta_bits"):
+        config.setdefault("nshard", {"reducer": "dense"}).update(parameter_sync="delta", delta_bits=arm["delta_bits"])
     return config
 
 

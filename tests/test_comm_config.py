@@ -7,7 +7,8 @@ import pytest
 from nshard.comm import ConfigError, build_reducer, validate_config
 
 GOOD = {"reducer": "powersgd", "rank": 32, "dense_warmup_updates": 8, "min_compression_rate": 2,
-        "error_feedback": "device", "warm_start": True, "seed": 0, "transport": "torch", "microbatch_sums": "exact"}
+        "error_feedback": "device", "warm_start": True, "seed": 0, "transport": "torch", "microbatch_sums": "exact",
+        "parameter_sync": "dense", "delta_bits": 4, "delta_block": 256}
 
 
 def test_validate_returns_the_section_with_defaults_filled():

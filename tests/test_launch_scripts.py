@@ -97,3 +97,17 @@ def test_recipe_sweep_runs_two_points_on_the_tiny_plan_and_keeps_every_attempt(t
         tmp_path / "sweep" / "lr0.003-u2" / "log.txt").read_text()
     assert "| lr0.003-u2 | complete |" in record.with_suffix(".md").read_text()
     assert json.loads(proc.stdout.strip().splitlines()[-1])["record"] == str(record)
+
+
+@root_only
+def test_bench_pooled_runs_two_arms_of_the_tiny_plan_over_a_shaped_link(tmp_path):
+    out = tmp_path / "bench_pooled"
+    proc = script("launch.bench_pooled", "--plan", "launch/plans/tiny.toml", "--updates", "2", "--rank", "4",
+                  "--link", "100mbit", "--arms", "s2-powersgd,s2-powersgd-delta4", "--out", str(out))
+    rows = {r["arm"]: r for r in json.loads((out / "bench_pooled.json").read_text())["arms"]}
+    assert all(r["ranks_agree"] for r in rows.values())
+    dense, delta = rows["s2-powersgd"], rows["s2-powersgd-delta4"]
+    assert delta["grad_bytes_per_update"] == dense["grad_bytes_per_update"]
+    assert 0 < delta["parameter_bytes_per_update"] < dense["parameter_bytes_per_update"] / 6  # fp32 vs 4 bits + scales
+    assert delta["delta_gap_max"] > 0 and dense["delta_gap_max"] is None
+    assert "| s2-powersgd-delta4 |" in proc.stdout

@@ -12,6 +12,8 @@ REDUCERS = ("dense", "powersgd")
 ERROR_FEEDBACK_PLACES = ("device", "host")
 TRANSPORTS = ("torch", "mpi")
 MICROBATCH_SUMS = ("exact", "error")
+PARAMETER_SYNCS = ("dense", "delta")
+DELTA_BITS = (8, 4, 2)
 
 
 class ConfigError(ValueError):
@@ -48,6 +50,14 @@ class ReducerConfig:
     one with several keeps fp32 sums apart (4 bytes per parameter), so M = error + (g1 + g2 + ...) rounds
     as at stage 0. "error": every microbatch goes into the error memory as it arrives, (error + g1) + g2,
     with no extra buffer; it rounds differently from stage 0 when an update has several microbatches."""
+    parameter_sync: str = "dense"
+    """How ZeRO-1/2 share the updated weights after each step: "dense" (DeepSpeed's all-gather of every
+    partition, one model copy across the ranks) or "delta" (each owner sends master − replica quantized to
+    delta_bits per element, nshard/comm/delta.py; the replicas stay bit-identical, the masters exact AdamW)."""
+    delta_bits: int = 4
+    """Bits per element of a delta parameter sync: 8, 4 or 2."""
+    delta_block: int = 256
+    """Elements that share one fp32 scale in a delta parameter sync (a multiple of 16)."""
 
     def __post_init__(self):
         problems = field_problems(self)
@@ -78,7 +88,12 @@ def field_problems(config: ReducerConfig) -> list[str]:
         _choice_problem("error_feedback", config.error_feedback, ERROR_FEEDBACK_PLACES),
         _choice_problem("transport", config.transport, TRANSPORTS),
         _choice_problem("microbatch_sums", config.microbatch_sums, MICROBATCH_SUMS),
+        _choice_problem("parameter_sync", config.parameter_sync, PARAMETER_SYNCS),
     ]
+    if not (_is_int(config.delta_bits) and config.delta_bits in DELTA_BITS):
+        problems.append(f"nshard.delta_bits is {config.delta_bits!r}; set it to 8, 4 or 2")
+    if not (_is_int(config.delta_block) and config.delta_block >= 16 and config.delta_block % 16 == 0):
+        problems.append(f"nshard.delta_block is {config.delta_block!r}; set it to a multiple of 16 (e.g. 256)")
     if config.microbatch_sums == "error" and config.error_feedback != "device":
         problems.append('nshard.microbatch_sums is "error", which sums into an error memory beside the gradients; '
                         'set error_feedback to "device" or microbatch_sums to "exact"')

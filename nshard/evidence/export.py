@@ -71,7 +71,7 @@ def _listed_entries(body: dict) -> dict:
 
 
 def write_manifest(model_dir: Path, *, parameter_root: str, plan_sha256: str, ds_config_sha256: str,
-                   prepared_identity: str) -> dict:
+                   prepared_identity: str, weights: dict | None = None) -> dict:
     """Seal an export directory before it is published: manifest.json over every entry, then readable modes.
     A link or special file is refused: an export holds files and folders only."""
     model_dir = Path(model_dir)
@@ -84,6 +84,8 @@ def write_manifest(model_dir: Path, *, parameter_root: str, plan_sha256: str, ds
     body = {"format": FORMAT, "entries": entries, "parameter_root": parameter_root,
             "plan_sha256": plan_sha256, "ds_config_sha256": ds_config_sha256,
             "prepared_identity": prepared_identity, "source": source_commit()}
+    if weights is not None:  # what the weights are when they are not the replicas that parameter_root hashes
+        body["weights"] = weights
     path = model_dir / MANIFEST
     path.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
     os.chmod(path, 0o644)

@@ -97,6 +97,8 @@ class Receipt:
     """GPU runs: peak allocated and reserved bytes per phase ("setup", "updates", "export"), max over resumes."""
     deepspeed_grad_bytes: int = 0
     """Bytes DeepSpeed's own gradient collectives carried (its comms logger's count), whatever seam was installed."""
+    update_delta_gap: list[float] = field(default_factory=list)
+    """Delta parameter sync: the largest |master − replica| over all ranks after each update (empty otherwise)."""
 
     def record_update(self, seconds: float, grad_bytes: int, other_bytes: int, compressed: bool,
                       gpu: dict | None = None, deepspeed_grad_bytes: int = 0) -> None:
@@ -148,6 +150,7 @@ class Receipt:
             "update_compressed": self.update_compressed,
             "other_collective_bytes": self.other_collective_bytes,
             "update_parameter_bytes": self.update_parameter_bytes,
+            "update_delta_gap": self.update_delta_gap,
             "by_phase": self.by_phase(),
             "state_s": self.state_s,
             "state_saves": self.state_saves,

@@ -161,7 +161,10 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
         receipt.record_update(seconds, grad_bytes, counts["other_bytes"], compressed, gpu_peaks.take(),
                               deepspeed_grad_bytes=counts["deepspeed_grad_bytes"])
         loss = global_loss(local_nll, batch, prepared, engine.device)
-        log.write({"update": update + 1, "loss": loss, "lr": lr, "update_s": seconds, "compressed": compressed,
+        gap = delta_gap(run, engine.device)
+        if gap is not None:
+            receipt.update_delta_gap.append(gap)
+        log.write({**({"delta_gap_max": gap} if gap is not None else {}),"update": update + 1, "loss": loss, "lr": lr, "update_s": seconds, "compressed": compressed,
                    "grad_bytes": grad_bytes, "deepspeed_grad_bytes": counts["deepspeed_grad_bytes"],
                    "reducer_bytes": reducer_bytes, "logged_reducer_bytes": counts["logged_reducer_bytes"],
                    "parameter_bytes": counts["other_bytes"],
@@ -175,6 +178,15 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
     receipt.active_s += time.perf_counter() - began - (receipt.state_s - state_s_before)
     log.close()
     return receipt
+
+
+def delta_gap(run: Run, device) -> float | None:
+    """Under delta parameter sync, the largest |master − replica| on any rank after this update (else None)."""
+    if run.reducer is None or run.reducer.parameter_sync != "delta":
+        return None
+    gap = torch.tensor([patches.take_delta_gap()], dtype=torch.float64, device=device)
+    dist.all_reduce(gap, op=dist.ReduceOp.MAX)  # torch.distributed: no update's byte count
+    return gap.item()
 
 
 def reduction_ran(seam, receipt: Receipt) -> dict:
@@ -199,15 +211,29 @@ def export_model(run: Run, engine, tokenizer, prepared_identity: str) -> str:
         roots = all_ranks(root)
         if len(set(roots)) != 1:
             raise RunError(f"ranks disagree on the parameter root: {roots}; the replicas diverged, do not use this run")
+        state_dict, weights = None, None
+        if run.reducer is not None and run.reducer.parameter_sync == "delta":
+            # The replicas trail the exact masters by the gap: the export holds the masters, gathered once.
+            state_dict = masters_state_dict(engine)
+            weights = {"holds": "fp32 masters, gathered once at the end (nshard.parameter_sync = \"delta\")",
+                       "parameter_root_of": "the replicas", "masters_root": parameter_root(
+                           (n, state_dict[n]) for n, _ in engine.module.named_parameters())}
         if run.is_main:
             tmp = run.out / "model.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
-            engine.module.save_pretrained(tmp, safe_serialization=True)
+            engine.module.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
             tokenizer.save_pretrained(tmp)
             write_manifest(tmp, parameter_root=root, plan_sha256=file_sha256(run.plan_path),
-                           ds_config_sha256=file_sha256(run.ds_config_path), prepared_identity=prepared_identity)
+                           ds_config_sha256=file_sha256(run.ds_config_path), prepared_identity=prepared_identity,
+                           weights=weights)
             tmp.replace(run.out / "model")
     return root
+
+
+def masters_state_dict(engine) -> dict[str, torch.Tensor]:
+    """The module's state dict with every parameter (tied ones included) replaced by its fp32 master."""
+    masters = patches.gathered_masters(engine)
+    return {k: masters.get(v.data_ptr(), v) for k, v in engine.module.state_dict().items()}
 
 
 def write_prepared(run: Run, inputs: tuple) -> None:

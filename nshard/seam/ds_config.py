@@ -98,7 +98,29 @@ def reducer_config(config: dict) -> ReducerConfig | None:
         raise DsConfigError("managed_gradient_accumulation=false with an \"nshard\" section: the reducer "
                             "averages each update's accumulated gradient, which needs DeepSpeed to manage "
                             "accumulation; remove the key or set it to true")
+    if parsed.parameter_sync == "delta":
+        delta_sync_problems(config)
     return parsed
+
+
+def delta_sync_problems(config: dict) -> None:
+    """Delta parameter sync needs ZeRO-1/2's partitioned masters, and a checkpoint that restores masters and
+    replicas apart: a load that sets one from the other would close the gap that is its error memory."""
+    zero = config.get("zero_optimization", {})
+    if zero.get("stage", 0) not in (1, 2):
+        raise DsConfigError("nshard.parameter_sync=\"delta\" with zero_optimization.stage="
+                            f"{zero.get('stage', 0)}: it replaces ZeRO's all-gather of the updated weights, so it "
+                            "needs stage 1 or 2; set the stage or parameter_sync to \"dense\"")
+    if zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None):
+        raise DsConfigError("nshard.parameter_sync=\"delta\" with zero_optimization.offload_optimizer: the masters "
+                            "must stay beside the replicas; remove the offload or set parameter_sync to \"dense\"")
+    if zero.get("load_from_fp32_weights", True) is not True:
+        raise DsConfigError("zero_optimization.load_from_fp32_weights=false with nshard.parameter_sync=\"delta\": "
+                            "a load would set every master to its replica and lose the error memory; remove the key")
+    if config.get("checkpoint", {}).get("load_universal", False):
+        raise DsConfigError("checkpoint.load_universal=true with nshard.parameter_sync=\"delta\": a universal "
+                            "checkpoint sets every replica to its master and loses the error memory; load nshard's "
+                            "own complete state (--resume) instead, or set parameter_sync to \"dense\"")
 
 
 def complete_ds_config(config: dict, plan: Plan, world_size: int) -> dict:

@@ -19,6 +19,7 @@ import torch
 VERIFIED_VERSIONS = ((0, 19, 8), (0, 20, 0))  # [lowest, first unverified)
 REDUCER_LOG_NAME = "nshard_reducer"
 PARAMETER_GATHER_LOG_NAME = "nshard_parameter_gather"
+DELTA_SYNC_LOG_NAME = "nshard_delta_sync"
 # deepspeed.comm ops that carry gradients (the rest, all_gather & co., carry parameters).
 GRAD_OPS = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "reduce", "all_reduce_coalesced")
 
@@ -44,8 +45,12 @@ PRIVATE_MODULE_SYMBOLS = {"deepspeed.runtime.utils": ("all_gather_dp_groups",),
 PRIVATE_COMMS_LOGGER_ATTRS = ("enabled", "prof_all", "comms_dict")
 # What optimizer_memory descends through: DeepSpeed's wrappers keep the torch optimizer at `.optimizer`.
 PRIVATE_WRAPPER_ATTRS = ("optimizer",)
+# Delta parameter sync: each flat group's fp32 master partition and replica partitions, the per-group step after
+# which ZeRO copies the master into this rank's replica, and the parameters of each group.
+PRIVATE_DELTA_ZERO_ATTRS = ("single_partition_of_fp32_groups", "parallel_partitioned_bit16_groups", "_optimizer_step",
+                            "bit16_groups")
 LISTED_ATTRS = frozenset(ENGINE_API + OPTIMIZER_API + PRIVATE_ENGINE_ATTRS + PRIVATE_ZERO_ATTRS
-                         + PRIVATE_ZERO_PARTITION_ATTRS + PRIVATE_WRAPPER_ATTRS)
+                         + PRIVATE_ZERO_PARTITION_ATTRS + PRIVATE_WRAPPER_ATTRS + PRIVATE_DELTA_ZERO_ATTRS)
 
 
 class DeepSpeedAPIMoved(RuntimeError):
@@ -101,7 +106,7 @@ def _zero_grads_in_place(module: torch.nn.Module) -> None:
             p.grad.zero_()
 
 
-GATHER_CALLS = {"ring": {"calls": 0, "bytes_sent": 0}, "deepspeed": {"calls": 0}}
+GATHER_CALLS = {"ring": {"calls": 0, "bytes_sent": 0}, "deepspeed": {"calls": 0}, "delta": {"calls": 0, "bytes_sent": 0}}
 """Calls of the weights' all-gather that actually ran in this process, by path (what the receipt reports)."""
 _DEEPSPEED_GATHER = {}  # the module's own all_gather_dp_groups, kept before the first switch
 
@@ -151,7 +156,8 @@ def _all_gather_dp_groups_in_place(groups_flat, partitioned_param_groups, dp_pro
                                                                irecv=dist.irecv)
 
 
-GATHER_PATHS = {"ring": "isend/irecv ring into the flat weights", "deepspeed": "deepspeed all_gather_dp_groups"}
+GATHER_PATHS = {"ring": "isend/irecv ring into the flat weights", "deepspeed": "deepspeed all_gather_dp_groups",
+                "delta": "delta parameter sync (quantized master - replica, nshard/comm/delta.py)"}
 
 
 def parameter_all_gather(engine) -> dict | None:
@@ -165,6 +171,9 @@ def parameter_all_gather(engine) -> dict | None:
     body = {"call": call, "calls": {p: dict(c) for p, c in GATHER_CALLS.items()}}
     if "ring" in ran:
         body["log_name"] = PARAMETER_GATHER_LOG_NAME
+    if "delta" in ran:
+        body["delta_log_name"] = DELTA_SYNC_LOG_NAME
+        body["delta_codec"] = dict(DELTA_SYNC["codec"])
     return body
 
 
@@ -298,3 +307,120 @@ class CollectiveCounter:
         reducer = delta.get(REDUCER_LOG_NAME, 0)
         return {"deepspeed_grad_bytes": grad, "logged_reducer_bytes": reducer,
                 "other_bytes": sum(delta.values()) - grad - reducer}
+
+
+# ---------------------------------------------------------------- delta parameter sync
+
+
+DELTA_SYNC = {"codec": {}, "gap_max": 0.0, "swapped": {}}
+"""This process's delta sync: its codec, the largest master − replica gap since take_delta_gap(), and the masters
+set aside while ZeRO's step() copies "master" into the replica (see install_delta_sync)."""
+
+
+def install_delta_sync(engine, codec) -> None:
+    """Replace the end of every ZeRO-1/2 step by nshard/comm/delta.py's delta_sync_: the owner's master stays exact
+    AdamW, every rank adds the same quantized master − replica to its replica of each partition.
+
+    DeepSpeed's ZeRO optimizer (the one an nshard reducer runs under at stage 1 or 2, fp32 or bf16) steps each flat
+    group in _optimizer_step(i), then copies the fp32 master into this rank's replica partition, then all-gathers.
+    The copy would close the gap that is the error memory, so the wrapped _optimizer_step syncs group i and points
+    single_partition_of_fp32_groups[i] at this rank's replica for the rest of step(): the copy becomes a copy of the
+    replica onto itself, and the all-gather that follows (module-wide, replaced here) puts the masters back and
+    sends nothing more. A call of that all-gather with no sync before it is a load that would set replica := master
+    (update_lp_params after a universal checkpoint, refused in the ds_config too): it is refused here as well.
+    """
+    import dataclasses
+
+    import torch.distributed as dist
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    optimizer = engine.optimizer
+    missing = [f"optimizer.{a}" for a in PRIVATE_DELTA_ZERO_ATTRS + ("real_dp_process_group",) if not hasattr(optimizer, a)]
+    if missing or engine.zero_optimization_stage() not in (1, 2):
+        raise DeepSpeedAPIMoved(f"delta parameter sync needs ZeRO-1/2's masters and replicas; {type(optimizer).__name__} "
+                                f"lacks {missing}; port nshard/seam/patches.py:install_delta_sync")
+    DELTA_SYNC["codec"] = dataclasses.asdict(codec)
+    exchange = _delta_exchange(dist.get_backend())
+    original_step = optimizer._optimizer_step
+
+    def step_group(i: int) -> None:
+        original_step(i)
+        masters, replicas = optimizer.single_partition_of_fp32_groups, optimizer.parallel_partitioned_bit16_groups
+        masters[i].grad = None  # what step() does next, done first: the gradient partition goes before the sync
+        me = _sync_group(optimizer, codec, exchange, masters, replicas, i)
+        DELTA_SYNC["swapped"][i] = masters[i]
+        masters[i] = replicas[i][me]
+
+    optimizer._optimizer_step = step_group
+    stage_1_and_2.all_gather_dp_groups = functools.partial(_after_delta_sync, optimizer)
+
+
+def _delta_exchange(backend: str):
+    import deepspeed.comm as ds_comm
+    import torch.distributed as dist
+
+    from nshard.comm.delta import exchange_batched, exchange_isend_irecv
+
+    if backend == "gloo":  # logged, so the receipts count the bytes as the weights' share of the update
+        return exchange_isend_irecv(functools.partial(ds_comm.isend, log_name=DELTA_SYNC_LOG_NAME), dist.irecv)
+    return exchange_batched
+
+
+def _sync_group(optimizer, codec, exchange, masters, replicas, i: int) -> int:
+    import deepspeed.comm as ds_comm
+
+    from nshard.comm.delta import delta_sync_, max_gap
+
+    group = optimizer.real_dp_process_group[i]
+    me = ds_comm.get_rank(group=group)
+    sent = delta_sync_(codec, masters[i], replicas[i], group, exchange)
+    GATHER_CALLS["delta"]["calls"] += 1
+    GATHER_CALLS["delta"]["bytes_sent"] += sent
+    DELTA_SYNC["gap_max"] = max(DELTA_SYNC["gap_max"], max_gap(masters[i], replicas[i][me]))
+    return me
+
+
+def _after_delta_sync(optimizer, *args, **kwargs) -> None:
+    """Stands in for all_gather_dp_groups under delta sync: every group was synced by its step; put its master back."""
+    swapped = DELTA_SYNC["swapped"]
+    if not swapped:
+        raise RuntimeError("an all-gather of the updated weights with no delta sync before it: something (a universal "
+                           "checkpoint load, update_lp_params) would set every replica to its master and lose the "
+                           "error memory; with nshard.parameter_sync=\"delta\" resume from nshard's complete state")
+    for i, master in swapped.items():
+        optimizer.single_partition_of_fp32_groups[i] = master
+    swapped.clear()
+
+
+def take_delta_gap() -> float:
+    """The largest |master − replica| on this rank since the last call (0.0 without delta sync)."""
+    gap, DELTA_SYNC["gap_max"] = DELTA_SYNC["gap_max"], 0.0
+    return gap
+
+
+def gathered_masters(engine) -> dict[int, torch.Tensor]:
+    """Every parameter's fp32 master, gathered once (a collective: all ranks), keyed by the data_ptr of the module
+    parameter it masters. Under delta sync the export holds these, not the replicas (which trail them by the gap)."""
+    import torch.distributed as dist
+
+    from nshard.seam.param_gather import ring_all_gather_
+
+    optimizer = engine.optimizer
+    masters, replicas = optimizer.single_partition_of_fp32_groups, optimizer.parallel_partitioned_bit16_groups
+    params = optimizer.bit16_groups
+    found: dict[int, torch.Tensor] = {}
+    for i, own in enumerate(masters):
+        group = optimizer.real_dp_process_group[i]
+        size = replicas[i][0].numel()
+        flat = torch.empty(size * len(replicas[i]), dtype=torch.float32, device=own.device)
+        views = [flat.narrow(0, j * size, size) for j in range(len(replicas[i]))]
+        if dist.get_backend() == "gloo":
+            views[dist.get_rank(group=group)].copy_(own)
+            ring_all_gather_(views, group)
+        else:
+            dist.all_gather_into_tensor(flat, own.float(), group=group)
+        start = replicas[i][0].data_ptr()
+        for p in params[i]:
+            offset = (p.data_ptr() - start) // p.element_size()
+            found[p.data_ptr()] = flat.narrow(0, offset, p.numel()).view(p.shape)
+    return found

@@ -1,0 +1,180 @@
+"""Delta parameter sync: the weights' all-gather that ends a partitioned (ZeRO-1/2) step, sent as quantized changes.
+
+Every rank holds a replica of the whole model; each rank owns one partition's fp32 master, which AdamW steps
+exactly. Instead of sending its updated partition, the owner sends Δ = master − replica, quantized blockwise
+(one fp32 scale per block, 8, 4 or 2 bits per element), and every rank, the owner included, adds the same
+dequantized Δ to its replica of that partition with a plain multiply and a separate add. Both are correctly
+rounded IEEE operations, so every rank computes the same bits on any CPU or GPU, and the replicas stay
+identical. What quantization left out stays in master − replica and is carried into the next Δ by
+construction: the gap is the error memory, and no buffer holds it.
+
+The exchange is a ring of isend/irecv (as nshard/seam/param_gather.py's), each partition applied as it arrives,
+so beyond the replicas a rank holds one encoded partition per peer in flight, never a second model.
+Imports only torch: the DeepSpeed side (which tensors are masters and replicas) is nshard/seam/patches.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+BITS = (8, 4, 2)
+CHUNK_BLOCKS = 4096
+"""Blocks encoded or applied at a time: the fp32 temporaries stay a few MiB, never partition-sized."""
+
+
+@dataclass(frozen=True)
+class DeltaCodec:
+    """Blockwise symmetric quantization of a change: code = round(Δ/scale) in [−qmax, qmax], scale = max|Δ|/qmax."""
+
+    bits: int = 4
+    """Bits per element (8, 4 or 2); 2 bits gives the three levels −1, 0, +1 times the block's scale."""
+    block: int = 256
+    """Elements per fp32 scale (a multiple of 16, so every block's codes fill whole 4-byte words)."""
+
+    def __post_init__(self):
+        if self.bits not in BITS:
+            raise ValueError(f"delta bits {self.bits!r}: use one of {BITS}")
+        if not (isinstance(self.block, int) and self.block >= 16 and self.block % 16 == 0):
+            raise ValueError(f"delta block {self.block!r}: use a multiple of 16 (e.g. 256)")
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.bits - 1)) - 1
+
+    @property
+    def per_byte(self) -> int:
+        return 8 // self.bits
+
+    def blocks(self, numel: int) -> int:
+        return -(-numel // self.block)
+
+    def code_bytes(self, numel: int) -> int:
+        return self.blocks(numel) * self.block // self.per_byte
+
+    def encoded_bytes(self, numel: int) -> int:
+        """Bytes on the wire for a partition of `numel` elements: the packed codes, then one fp32 scale per block."""
+        return self.code_bytes(numel) + 4 * self.blocks(numel)
+
+    def empty(self, numel: int, device) -> torch.Tensor:
+        return torch.empty(self.encoded_bytes(numel), dtype=torch.uint8, device=device)
+
+    def _views(self, encoded: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        codes = encoded.narrow(0, 0, self.code_bytes(numel))
+        scales = encoded.narrow(0, self.code_bytes(numel), 4 * self.blocks(numel)).view(torch.float32)
+        return codes, scales
+
+    def encode(self, master: torch.Tensor, replica: torch.Tensor, out: torch.Tensor) -> None:
+        """Write the quantized master − replica (flat, equal sizes) into `out` (from empty(numel))."""
+        codes, scales = self._views(out, master.numel())
+        span = CHUNK_BLOCKS * self.block
+        for start in range(0, master.numel(), span):
+            count = min(span, master.numel() - start)
+            delta = master.narrow(0, start, count).float() - replica.narrow(0, start, count).float()
+            first = start // self.block
+            nblocks = self.blocks(count)
+            padded = torch.zeros(nblocks * self.block, dtype=torch.float32, device=delta.device)
+            padded.narrow(0, 0, count).copy_(delta)
+            padded = padded.view(nblocks, self.block)
+            scale = padded.abs().amax(dim=1) / self.qmax
+            q = torch.where(scale[:, None] > 0, padded / scale[:, None], torch.zeros((), device=delta.device))
+            q = q.round_().clamp_(-self.qmax, self.qmax).add_(self.qmax).to(torch.uint8)
+            scales.narrow(0, first, nblocks).copy_(scale)
+            codes.narrow(0, first * self.block // self.per_byte, nblocks * self.block // self.per_byte).copy_(
+                self._pack(q.view(-1)))
+
+    def apply_(self, replica: torch.Tensor, encoded: torch.Tensor) -> None:
+        """replica += dequantized Δ, as a plain multiply then a separate add (no fused multiply-add), so every
+        rank rounds alike; a bf16 replica adds in fp32 and rounds once to bf16."""
+        codes, scales = self._views(encoded, replica.numel())
+        span = CHUNK_BLOCKS * self.block
+        for start in range(0, replica.numel(), span):
+            count = min(span, replica.numel() - start)
+            first, nblocks = start // self.block, self.blocks(count)
+            q = self._unpack(codes.narrow(0, first * self.block // self.per_byte, nblocks * self.block // self.per_byte))
+            q = q.to(torch.float32).sub_(self.qmax).view(nblocks, self.block)
+            change = torch.mul(q, scales.narrow(0, first, nblocks)[:, None]).view(-1).narrow(0, 0, count)
+            target = replica.narrow(0, start, count)
+            if target.dtype == torch.float32:
+                target.add_(change)
+            else:
+                target.copy_(torch.add(target.float(), change))
+
+    def _pack(self, q: torch.Tensor) -> torch.Tensor:
+        if self.per_byte == 1:
+            return q
+        q = q.view(-1, self.per_byte)
+        packed = q[:, 0].clone()
+        for k in range(1, self.per_byte):
+            packed |= q[:, k] << (self.bits * k)
+        return packed
+
+    def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        if self.per_byte == 1:
+            return packed
+        mask = (1 << self.bits) - 1
+        parts = [(packed >> (self.bits * k)) & mask for k in range(self.per_byte)]
+        return torch.stack(parts, dim=1).view(-1)
+
+
+def max_gap(master: torch.Tensor, replica: torch.Tensor) -> float:
+    """max |master − replica| over a partition, a chunk at a time (the error memory's largest element)."""
+    span, gap = CHUNK_BLOCKS * 256, 0.0
+    for start in range(0, master.numel(), span):
+        count = min(span, master.numel() - start)
+        d = master.narrow(0, start, count).float() - replica.narrow(0, start, count).float()
+        gap = max(gap, float(d.abs().max())) if count else gap
+    return gap
+
+
+def exchange_isend_irecv(isend: Callable = dist.isend, irecv: Callable = dist.irecv) -> Callable:
+    """One ring step as a pair of isend/irecv (gloo), each taking (tensor, peer global rank, group)."""
+    def exchange(outgoing: torch.Tensor, right: int, incoming: torch.Tensor, left: int, group) -> None:
+        for request in [isend(outgoing, right, group), irecv(incoming, left, group)]:
+            request.wait()
+    return exchange
+
+
+def exchange_batched(outgoing: torch.Tensor, right: int, incoming: torch.Tensor, left: int, group) -> None:
+    """One ring step through batch_isend_irecv (NCCL, where a lone isend before an irecv can deadlock the ring)."""
+    ops = [dist.P2POp(dist.isend, outgoing, right, group), dist.P2POp(dist.irecv, incoming, left, group)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+
+
+def delta_sync_(codec: DeltaCodec, master: torch.Tensor, replicas: Sequence[torch.Tensor], group=None,
+                exchange: Callable | None = None) -> int:
+    """Bring every rank's replicas[i] (the partitions of one flat group, equal sizes, contiguous) up to date with
+    owner i's master. `master` is this rank's fp32 partition; replicas[me] is its own replica of it.
+
+    Ring: this rank encodes its Δ, then in step s of N−1 sends the encoded partition (me − s) to its right
+    neighbour while receiving (me − s − 1) from its left, and applies each one once it has it (its own first).
+    `exchange` runs one ring step (exchange_isend_irecv() by default). Returns the bytes this rank sent.
+    """
+    n = dist.get_world_size(group=group) if dist.is_initialized() else 1
+    if len(replicas) != n:
+        raise ValueError(f"{len(replicas)} replica partitions for a group of {n} ranks")
+    if len({r.numel() for r in replicas}) != 1 or master.numel() != replicas[0].numel():
+        raise ValueError("delta_sync_ needs equal partitions and a master of the same size")
+    me = dist.get_rank(group=group) if n > 1 else 0
+    exchange = exchange or exchange_isend_irecv()
+    numel = master.numel()
+    encoded = {me: codec.empty(numel, master.device)}
+    codec.encode(master, replicas[me], encoded[me])
+    codec.apply_(replicas[me], encoded[me])
+    if n == 1:
+        return 0
+    right = dist.get_global_rank(group, (me + 1) % n) if group is not None else (me + 1) % n
+    left = dist.get_global_rank(group, (me - 1) % n) if group is not None else (me - 1) % n
+    sent = 0
+    for step in range(n - 1):
+        outgoing, incoming = (me - step) % n, (me - step - 1) % n
+        encoded[incoming] = codec.empty(numel, master.device)
+        exchange(encoded[outgoing], right, encoded[incoming], left, group)
+        sent += encoded[outgoing].numel()
+        codec.apply_(replicas[incoming], encoded[incoming])
+        del encoded[outgoing]  # forwarded: at most two encoded partitions are alive at a time
+    return sent

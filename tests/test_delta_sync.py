@@ -1,0 +1,221 @@
+"""Delta parameter sync (nshard/comm/delta.py): ZeRO-1/2's end-of-step all-gather sent as quantized master − replica.
+
+The codec's bound and packing on one process; the ring on two real gloo ranks (replicas bit-identical, bytes as
+the formula); real DeepSpeed runs at ZeRO-1 and ZeRO-2, fp32 and bf16 (replicas agree at every check, the export
+holds the masters, the gap stays small); kill/resume with delta sync on ends bit-identical; refused ds_configs.
+"""
+
+import json
+
+import pytest
+import torch
+
+from nshard.comm.config import ConfigError, parse_config
+from nshard.comm.delta import DeltaCodec, delta_sync_, max_gap
+from nshard.seam.ds_config import DsConfigError, reducer_config
+from runs import REPO, cached_run, final_params, launch, receipts, tiny_config
+from spawn import run_ranks
+
+POWERSGD = {"reducer": "powersgd", "rank": 4, "dense_warmup_updates": 1}
+
+
+def delta(bits: int = 4, **more) -> dict:
+    return {**POWERSGD, "parameter_sync": "delta", "delta_bits": bits, **more}
+
+
+def ulp(x: torch.Tensor) -> torch.Tensor:
+    """The wider of the two spacings of x's dtype at each element of x (they differ at powers of two), in float64."""
+    up = torch.nextafter(x, torch.full_like(x, float("inf"))).double() - x.double()
+    down = x.double() - torch.nextafter(x, torch.full_like(x, float("-inf"))).double()
+    return torch.maximum(up.abs(), down.abs())
+
+
+def block_scales(codec: DeltaCodec, delta64: torch.Tensor) -> torch.Tensor:
+    """Each element's quantization step (its block's max |Δ| / qmax), recomputed in float64."""
+    n = delta64.numel()
+    padded = torch.zeros(codec.blocks(n) * codec.block, dtype=torch.float64)
+    padded[:n] = delta64
+    steps = padded.view(-1, codec.block).abs().amax(dim=1) / codec.qmax
+    return steps.repeat_interleave(codec.block)[:n]
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gap_never_exceeds_half_a_step_plus_half_an_ulp(bits, dtype):
+    codec = DeltaCodec(bits=bits, block=64)
+    g = torch.Generator().manual_seed(bits)
+    n = 10_007  # not a multiple of the block: the padded tail must decode to nothing
+    master = torch.randn(n, generator=g)
+    replica = (master + 1e-3 * torch.randn(n, generator=g)).to(dtype)
+    master[:64] = replica[:64].float()  # a block with no change: scale 0, nothing moves
+    before = replica.clone()
+    encoded = codec.empty(n, "cpu")
+    codec.encode(master, replica, encoded)
+    assert encoded.numel() == codec.encoded_bytes(n) == codec.blocks(n) * (64 * bits // 8 + 4)
+    codec.apply_(replica, encoded)
+    gap = (master.double() - replica.double()).abs()
+    step = block_scales(codec, master.double() - before.double())
+    # fp32 rounding of Δ/scale and of q·scale adds a few fp32 ulps of Δ at most
+    slack = 4 * torch.finfo(torch.float32).eps * (master.double() - before.double()).abs()
+    assert bool((gap <= step / 2 + ulp(replica) / 2 + slack).all())
+    assert torch.equal(replica[:64], before[:64])
+    assert max_gap(master, replica) == pytest.approx(float(gap.max()))
+
+
+def test_the_gap_is_the_error_memory_carried_into_the_next_delta():
+    """A master that stops moving is reached by the replica step after step: what one step's quantization left
+    out is in the next Δ, with no buffer holding it."""
+    codec = DeltaCodec(bits=2, block=32)
+    g = torch.Generator().manual_seed(0)
+    master = torch.randn(4096, generator=g)
+    replica = master + 1e-2 * torch.randn(4096, generator=g)
+    gaps = []
+    for _ in range(40):
+        encoded = codec.empty(master.numel(), "cpu")
+        codec.encode(master, replica, encoded)
+        codec.apply_(replica, encoded)
+        gaps.append(max_gap(master, replica))
+    assert gaps[-1] < gaps[0] / 1000 and all(b <= a for a, b in zip(gaps, gaps[1:]))
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_packing_round_trips_every_code(bits):
+    codec = DeltaCodec(bits=bits, block=16)
+    codes = torch.arange(2 * codec.qmax + 1, dtype=torch.uint8).repeat(32)[: 16 * 8]
+    assert torch.equal(codec._unpack(codec._pack(codes)), codes)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("parameter_sync", "sparse", 'nshard.parameter_sync is \'sparse\'; set it to "dense" or "delta"'),
+    ("delta_bits", 3, "nshard.delta_bits is 3; set it to 8, 4 or 2"),
+    ("delta_block", 100, "nshard.delta_block is 100; set it to a multiple of 16"),
+])
+def test_bad_delta_fields_name_the_key_and_the_fix(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"reducer": "powersgd", field: value})
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"zero_optimization": {"stage": 0}}, "needs stage 1 or 2"),
+    ({"zero_optimization": {"stage": 2, "load_from_fp32_weights": False}}, "load_from_fp32_weights=false"),
+    ({"checkpoint": {"load_universal": True}}, "checkpoint.load_universal=true"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer"),
+])
+def test_ds_configs_that_would_close_the_gap_are_refused(change, message):
+    config = {**tiny_config(stage=2, nshard=delta()), **change}
+    with pytest.raises(DsConfigError, match=message):
+        reducer_config(config)
+
+
+def _ring(rank, world, bits, dtype):
+    import torch.distributed as dist
+
+    codec = DeltaCodec(bits=bits, block=64)
+    size = 5_000
+    g = torch.Generator().manual_seed(1)
+    replicas_flat = torch.randn(world * size, generator=g).to(dtype)  # the same on every rank
+    replicas = [replicas_flat.narrow(0, i * size, size) for i in range(world)]
+    # Each owner's master: its replica plus a step of its own.
+    master = replicas[rank].float() + 1e-3 * torch.randn(size, generator=torch.Generator().manual_seed(10 + rank))
+    sent = delta_sync_(codec, master, replicas, group=None)
+    dist.barrier()
+    return {"replicas": replicas_flat.clone(), "master": master, "sent": sent,
+            "own_gap": max_gap(master, replicas[rank])}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_ranks_end_with_bit_identical_replicas_and_send_the_encoded_bytes(dtype):
+    results = run_ranks(_ring, 2, args=(4, dtype))
+    assert torch.equal(results[0]["replicas"], results[1]["replicas"])
+    assert all(r["sent"] == DeltaCodec(bits=4, block=64).encoded_bytes(5_000) for r in results)
+    for rank, r in enumerate(results):  # each owner's partition moved toward its master on both ranks
+        mine = r["replicas"].narrow(0, rank * 5_000, 5_000)
+        assert 0 < r["own_gap"] < (r["master"] - mine.float()).abs().max() + 1e-3
+
+
+# ---------------------------------------------------------------- real DeepSpeed runs
+
+CHECKED_PLAN = (REPO / "launch/plans/tiny.toml").read_text() + "\n[checkpoint]\nreplica_check_every = 1\n"
+
+
+@pytest.fixture(scope="module")
+def checked_plan(tmp_path_factory):
+    path = tmp_path_factory.mktemp("delta-plan") / "tiny-checked.toml"
+    path.write_text(CHECKED_PLAN)
+    return path
+
+
+def metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,bf16", [(2, False), (2, True), (1, False), (1, True)])
+def test_a_delta_synced_run_keeps_replicas_identical_and_exports_the_masters(runs_root, checked_plan, stage, bf16):
+    """ZeRO-1 and ZeRO-2, fp32 and bf16 (DeepSpeed's ZeRO optimizer in each). Every update runs the replica check
+    (replica_check_every = 1): a divergence would stop the run."""
+    out = cached_run(runs_root, f"delta4-z{stage}-{'bf16' if bf16 else 'fp32'}",
+                     tiny_config(stage=stage, bf16=bf16, nshard=delta(4)), plan=checked_plan)
+    assert {r["optimizer"]["wrapper"] for r in receipts(out)} == {"DeepSpeedZeroOptimizer"}
+    rs = receipts(out)
+    assert len({r["parameter_root"] for r in rs}) == 1
+    for r in rs:
+        calls = r["parameter_all_gather"]["calls"]
+        assert calls["delta"]["calls"] >= 3 and calls["ring"]["calls"] == calls["deepspeed"]["calls"] == 0, calls
+        assert calls["delta"]["bytes_sent"] == sum(r["update_parameter_bytes"])
+        assert r["parameter_all_gather"]["delta_codec"] == {"bits": 4, "block": 256}
+        assert len(r["update_delta_gap"]) == 3 and all(0 < g < 1e-2 for g in r["update_delta_gap"])
+    manifest = json.loads((out / "model" / "manifest.json").read_text())
+    assert manifest["weights"]["holds"].startswith("fp32 masters")
+    exported = final_params(out)
+    assert all(t.dtype == torch.float32 for t in exported.values())
+    assert [m["delta_gap_max"] for m in metrics(out)] == rs[0]["update_delta_gap"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bf16", [False, True])
+def test_four_bits_send_an_eighth_of_the_dense_gather_and_train_like_it(runs_root, checked_plan, bf16):
+    tag = "bf16" if bf16 else "fp32"
+    synced = cached_run(runs_root, f"delta4-z2-{tag}", tiny_config(stage=2, bf16=bf16, nshard=delta(4)),
+                        plan=checked_plan)
+    dense = cached_run(runs_root, f"dense-sync-z2-{tag}", tiny_config(stage=2, bf16=bf16, nshard=POWERSGD),
+                       plan=checked_plan)
+    element = 2 if bf16 else 4
+    for s, d in zip(receipts(synced), receipts(dense)):  # one flat group: each rank sends its partition once
+        want = [DeltaCodec(4, 256).encoded_bytes(full // element) for full in d["update_parameter_bytes"]]
+        assert s["update_parameter_bytes"] == want
+        assert sum(want) < sum(d["update_parameter_bytes"]) * (4 / 8 / element) * 1.04  # 4 bits + scales
+    a, b = final_params(synced), final_params(dense)
+    for key in a:  # three updates apart by at most a few quantization steps of lr-sized changes
+        torch.testing.assert_close(a[key].float(), b[key].float(), rtol=0, atol=2e-3, msg=key)
+
+
+@pytest.mark.slow
+def test_delta_sync_off_leaves_the_dense_gather_as_it_was(runs_root, checked_plan):
+    dense = cached_run(runs_root, "dense-sync-z2-fp32", tiny_config(stage=2, nshard=POWERSGD), plan=checked_plan)
+    for r in receipts(dense):
+        calls = r["parameter_all_gather"]["calls"]
+        assert calls["delta"]["calls"] == 0 and calls["ring"]["calls"] == 3 and r["update_delta_gap"] == []
+    assert "weights" not in json.loads((dense / "model" / "manifest.json").read_text())
+
+
+RESUME_PLAN = (REPO / "launch/plans/tiny.toml").read_text().replace("updates = 3", "updates = 6") + (
+    "\n[checkpoint]\nevery = 2\nreplica_check_every = 1\n")
+
+
+@pytest.mark.slow
+def test_a_killed_delta_synced_zero2_run_resumes_bit_identical(runs_root, tmp_path):
+    plan = tmp_path / "resume.toml"
+    plan.write_text(RESUME_PLAN)
+    config = tiny_config(stage=2, nshard=delta(4))
+    whole = runs_root / "delta-resume-whole"
+    launch(whole, config, plan=plan)
+    out = runs_root / "delta-resume-killed"
+    killed = launch(out, config, plan=plan, check=False, env={"NSHARD_FAULT": "1:3"})
+    assert killed.returncode != 0
+    launch(out, config, plan=plan, extra_args=["--resume"])
+    run, ref = (json.loads((d / "run.json").read_text()) for d in (out, whole))
+    assert run["resumed_from_update"] == 2 and run["parameter_root"] == ref["parameter_root"]
+    got, want = final_params(out), final_params(whole)  # the masters: restored from each rank's ZeRO file
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert [r["update_delta_gap"] for r in receipts(out)] == [r["update_delta_gap"] for r in receipts(whole)]
