@@ -12,6 +12,7 @@ import torch
 
 from nshard.comm.config import ConfigError, parse_config
 from nshard.comm.delta import DeltaCodec, delta_sync_, max_gap
+from nshard.run.state import StateError, find_resumable, sealed_states
 from nshard.seam.ds_config import DsConfigError, reducer_config
 from runs import REPO, cached_run, final_params, launch, receipts, tiny_config
 from spawn import run_ranks
@@ -219,3 +220,11 @@ def test_a_killed_delta_synced_zero2_run_resumes_bit_identical(runs_root, tmp_pa
     got, want = final_params(out), final_params(whole)  # the masters: restored from each rank's ZeRO file
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert [r["update_delta_gap"] for r in receipts(out)] == [r["update_delta_gap"] for r in receipts(whole)]
+    # A state without a rank's ZeRO file (its masters) would be loaded with the masters set from the replicas:
+    # no such state verifies, and the refusal names the file.
+    for state in sealed_states(out):
+        zero = list(state.rglob("*zero_pp_rank_1_*optim_states.pt"))
+        assert len(zero) == 1
+        zero[0].unlink()
+    with pytest.raises(StateError, match="zero_pp_rank_1_.*optim_states.pt, which its manifest lists, is missing"):
+        find_resumable(out, plan, out / "ds_config.json", 2)

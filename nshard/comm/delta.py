@@ -67,41 +67,60 @@ class DeltaCodec:
         scales = encoded.narrow(0, self.code_bytes(numel), 4 * self.blocks(numel)).view(torch.float32)
         return codes, scales
 
+    @torch.no_grad()
     def encode(self, master: torch.Tensor, replica: torch.Tensor, out: torch.Tensor) -> None:
         """Write the quantized master − replica (flat, equal sizes) into `out` (from empty(numel))."""
         codes, scales = self._views(out, master.numel())
         span = CHUNK_BLOCKS * self.block
         for start in range(0, master.numel(), span):
             count = min(span, master.numel() - start)
-            delta = master.narrow(0, start, count).float() - replica.narrow(0, start, count).float()
-            first = start // self.block
-            nblocks = self.blocks(count)
-            padded = torch.zeros(nblocks * self.block, dtype=torch.float32, device=delta.device)
-            padded.narrow(0, 0, count).copy_(delta)
-            padded = padded.view(nblocks, self.block)
-            scale = padded.abs().amax(dim=1) / self.qmax
-            q = torch.where(scale[:, None] > 0, padded / scale[:, None], torch.zeros((), device=delta.device))
-            q = q.round_().clamp_(-self.qmax, self.qmax).add_(self.qmax).to(torch.uint8)
+            first, nblocks = start // self.block, self.blocks(count)
+            delta = self._padded_delta(master.narrow(0, start, count), replica.narrow(0, start, count), nblocks)
+            low, high = torch.aminmax(delta, dim=1)
+            scale = torch.maximum(high, low.neg_()).div_(self.qmax)
+            inverse = torch.where(scale > 0, scale.reciprocal(), torch.zeros((), device=scale.device))
+            # In place on the chunk's own temporary: q = round(Δ / scale) + qmax, in [0, 2 qmax].
+            delta.mul_(inverse[:, None]).round_().clamp_(-self.qmax, self.qmax).add_(self.qmax)
             scales.narrow(0, first, nblocks).copy_(scale)
             codes.narrow(0, first * self.block // self.per_byte, nblocks * self.block // self.per_byte).copy_(
-                self._pack(q.view(-1)))
+                self._pack(delta.view(-1).to(torch.uint8)))
 
+    def _padded_delta(self, master: torch.Tensor, replica: torch.Tensor, nblocks: int) -> torch.Tensor:
+        """master − replica in fp32 as (nblocks, block), the tail past the partition zero (it decodes to nothing)."""
+        count = master.numel()
+        if count == nblocks * self.block:
+            return torch.sub(master.float(), replica.float()).view(nblocks, self.block)
+        delta = torch.zeros(nblocks * self.block, dtype=torch.float32, device=master.device)
+        torch.sub(master.float(), replica.float(), out=delta.narrow(0, 0, count))
+        return delta.view(nblocks, self.block)
+
+    @torch.no_grad()
     def apply_(self, replica: torch.Tensor, encoded: torch.Tensor) -> None:
         """replica += dequantized Δ, as a plain multiply then a separate add (no fused multiply-add), so every
         rank rounds alike; a bf16 replica adds in fp32 and rounds once to bf16."""
         codes, scales = self._views(encoded, replica.numel())
+        table = self._table(replica.device)
         span = CHUNK_BLOCKS * self.block
         for start in range(0, replica.numel(), span):
             count = min(span, replica.numel() - start)
             first, nblocks = start // self.block, self.blocks(count)
-            q = self._unpack(codes.narrow(0, first * self.block // self.per_byte, nblocks * self.block // self.per_byte))
-            q = q.to(torch.float32).sub_(self.qmax).view(nblocks, self.block)
-            change = torch.mul(q, scales.narrow(0, first, nblocks)[:, None]).view(-1).narrow(0, 0, count)
+            packed = codes.narrow(0, first * self.block // self.per_byte, nblocks * self.block // self.per_byte)
+            # One lookup gives each byte's per_byte levels (code − qmax, exact small integers in fp32).
+            change = table.index_select(0, packed.to(torch.int32)).view(nblocks, self.block)
+            change.mul_(scales.narrow(0, first, nblocks)[:, None])
+            change = change.view(-1).narrow(0, 0, count)
             target = replica.narrow(0, start, count)
             if target.dtype == torch.float32:
                 target.add_(change)
             else:
-                target.copy_(torch.add(target.float(), change))
+                target.copy_(change.add_(target.float()))
+
+    def _table(self, device) -> torch.Tensor:
+        """(256, per_byte) fp32: the levels each byte value packs, low bits first."""
+        byte = torch.arange(256, dtype=torch.int32)
+        mask = (1 << self.bits) - 1
+        levels = [((byte >> (self.bits * k)) & mask) - self.qmax for k in range(self.per_byte)]
+        return torch.stack(levels, dim=1).to(torch.float32).to(device)
 
     def _pack(self, q: torch.Tensor) -> torch.Tensor:
         if self.per_byte == 1:
@@ -113,20 +132,18 @@ class DeltaCodec:
         return packed
 
     def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        if self.per_byte == 1:
-            return packed
-        mask = (1 << self.bits) - 1
-        parts = [(packed >> (self.bits * k)) & mask for k in range(self.per_byte)]
-        return torch.stack(parts, dim=1).view(-1)
+        """The codes (level + qmax) of packed bytes, in order (what _pack packed)."""
+        return (self._table(packed.device).index_select(0, packed.to(torch.int32)) + self.qmax).to(torch.uint8).view(-1)
 
 
+@torch.no_grad()
 def max_gap(master: torch.Tensor, replica: torch.Tensor) -> float:
     """max |master − replica| over a partition, a chunk at a time (the error memory's largest element)."""
     span, gap = CHUNK_BLOCKS * 256, 0.0
     for start in range(0, master.numel(), span):
         count = min(span, master.numel() - start)
-        d = master.narrow(0, start, count).float() - replica.narrow(0, start, count).float()
-        gap = max(gap, float(d.abs().max())) if count else gap
+        low, high = torch.aminmax(torch.sub(master.narrow(0, start, count).float(), replica.narrow(0, start, count).float()))
+        gap = max(gap, float(high), -float(low))
     return gap
 
 

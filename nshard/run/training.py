@@ -164,11 +164,11 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
         gap = delta_gap(run, engine.device)
         if gap is not None:
             receipt.update_delta_gap.append(gap)
-        log.write({**({"delta_gap_max": gap} if gap is not None else {}),"update": update + 1, "loss": loss, "lr": lr, "update_s": seconds, "compressed": compressed,
+        log.write({"update": update + 1, "loss": loss, "lr": lr, "update_s": seconds, "compressed": compressed,
                    "grad_bytes": grad_bytes, "deepspeed_grad_bytes": counts["deepspeed_grad_bytes"],
                    "reducer_bytes": reducer_bytes, "logged_reducer_bytes": counts["logged_reducer_bytes"],
-                   "parameter_bytes": counts["other_bytes"],
-                   "microbatch_sums": seam.sums})
+                   "parameter_bytes": counts["other_bytes"], "microbatch_sums": seam.sums,
+                   **({"delta_gap_max": gap} if gap is not None else {})})
         keeper.after_update(update + 1, receipt)
         counter.take()  # a replica check's or state save's collectives belong to no update
     ledger = seam.ledger  # None under DeepSpeed's own reduction

@@ -121,23 +121,10 @@ def save_checkpoint(engine, directory: Path) -> None:
 
 
 def load_checkpoint(engine, directory: Path) -> None:
-    if patches.DELTA_SYNC["codec"]:
-        _require_zero_files(engine, Path(directory) / DS_CHECKPOINT_TAG)
     path, _ = engine.load_checkpoint(str(directory), tag=DS_CHECKPOINT_TAG, load_module_strict=True,
                                      load_optimizer_states=True, load_lr_scheduler_states=True)
     if path is None:
         raise RuntimeError(f"DeepSpeed found no checkpoint in {directory}/{DS_CHECKPOINT_TAG}")
-
-
-def _require_zero_files(engine, tag_dir: Path) -> None:
-    """Under delta sync a load must restore every master from its own ZeRO file: without one DeepSpeed would keep the
-    master it has (or take the replica's), and the gap that is the error memory would be lost."""
-    import torch.distributed as dist
-
-    rank = dist.get_rank()
-    if not list(tag_dir.glob(f"*zero_pp_rank_{rank}_*optim_states.pt")):
-        raise RuntimeError(f"{tag_dir} has no ZeRO optimizer file for rank {rank}: with nshard.parameter_sync=\"delta\" "
-                           "the masters must be loaded from their own files; resume from a complete nshard state")
 
 
 def install_reducer(engine, config: ReducerConfig | None):
