@@ -211,29 +211,25 @@ def export_model(run: Run, engine, tokenizer, prepared_identity: str) -> str:
         roots = all_ranks(root)
         if len(set(roots)) != 1:
             raise RunError(f"ranks disagree on the parameter root: {roots}; the replicas diverged, do not use this run")
-        state_dict, weights = None, None
+        weights = None
         if run.reducer is not None and run.reducer.parameter_sync == "delta":
-            # The replicas trail the exact masters by the gap: the export holds the masters, gathered once.
-            state_dict = masters_state_dict(engine)
-            weights = {"holds": "fp32 masters, gathered once at the end (nshard.parameter_sync = \"delta\")",
-                       "parameter_root_of": "the replicas", "masters_root": parameter_root(
-                           (n, state_dict[n]) for n, _ in engine.module.named_parameters())}
+            # The replicas trail the exact masters by the gap (the last complete state keeps it): the export holds
+            # the masters, so the gap is closed now, in place.
+            patches.close_delta_gap(engine)
+            weights = {"holds": "the fp32 masters in the module's dtype: nshard.parameter_sync = \"delta\" closed "
+                                "the gap (replica := master) once, after the last complete state was saved",
+                       "parameter_root_of": "the replicas before the gap was closed",
+                       "masters_root": parameter_root(engine.module.named_parameters())}
         if run.is_main:
             tmp = run.out / "model.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
-            engine.module.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+            engine.module.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
             write_manifest(tmp, parameter_root=root, plan_sha256=file_sha256(run.plan_path),
                            ds_config_sha256=file_sha256(run.ds_config_path), prepared_identity=prepared_identity,
                            weights=weights)
             tmp.replace(run.out / "model")
     return root
-
-
-def masters_state_dict(engine) -> dict[str, torch.Tensor]:
-    """The module's state dict with every parameter (tied ones included) replaced by its fp32 master."""
-    masters = patches.gathered_masters(engine)
-    return {k: masters.get(v.data_ptr(), v) for k, v in engine.module.state_dict().items()}
 
 
 def write_prepared(run: Run, inputs: tuple) -> None:

@@ -398,29 +398,21 @@ def take_delta_gap() -> float:
     return gap
 
 
-def gathered_masters(engine) -> dict[int, torch.Tensor]:
-    """Every parameter's fp32 master, gathered once (a collective: all ranks), keyed by the data_ptr of the module
-    parameter it masters. Under delta sync the export holds these, not the replicas (which trail them by the gap)."""
+def close_delta_gap(engine) -> None:
+    """Every replica := its master, once, in place (a collective: all ranks). The run calls it after its last
+    complete state is saved (which keeps the gap), so that the export holds the masters (rounded to the module's
+    dtype, as any ZeRO export is) without a second copy of the model on any rank."""
     import torch.distributed as dist
 
     from nshard.seam.param_gather import ring_all_gather_
 
     optimizer = engine.optimizer
-    masters, replicas = optimizer.single_partition_of_fp32_groups, optimizer.parallel_partitioned_bit16_groups
-    params = optimizer.bit16_groups
-    found: dict[int, torch.Tensor] = {}
-    for i, own in enumerate(masters):
+    for i, master in enumerate(optimizer.single_partition_of_fp32_groups):
         group = optimizer.real_dp_process_group[i]
-        size = replicas[i][0].numel()
-        flat = torch.empty(size * len(replicas[i]), dtype=torch.float32, device=own.device)
-        views = [flat.narrow(0, j * size, size) for j in range(len(replicas[i]))]
+        partitions = optimizer.parallel_partitioned_bit16_groups[i]
+        mine = partitions[dist.get_rank(group=group)]
+        mine.copy_(master)
         if dist.get_backend() == "gloo":
-            views[dist.get_rank(group=group)].copy_(own)
-            ring_all_gather_(views, group)
+            ring_all_gather_(partitions, group)
         else:
-            dist.all_gather_into_tensor(flat, own.float(), group=group)
-        start = replicas[i][0].data_ptr()
-        for p in params[i]:
-            offset = (p.data_ptr() - start) // p.element_size()
-            found[p.data_ptr()] = flat.narrow(0, offset, p.numel()).view(p.shape)
-    return found
+            dist.all_gather(list(partitions), mine.clone(), group=group)
