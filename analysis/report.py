@@ -23,7 +23,8 @@ from pathlib import Path
 from nshard.analysis.paired import PairingError, cases_for_one_loss, mean_interval, paired_bounds
 from nshard.evidence.commit import CommitError, check_committed_as, load_commitment, model_files
 
-FAMILY_TITLES = {"lookup": "Lookup", "filtering": "Filtering", "sorting": "Sorting", "invoice": "Invoice totals"}
+FAMILY_TITLES = {"lookup": "Lookup", "filtering": "Filtering", "sorting": "Sorting", "invoice": "Invoice totals",
+                 "cheapest": "Cheapest item", "acronym": "Acronym"}
 
 
 class StudyError(ValueError):
