@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     from nshard.run.data import DataError
     from nshard.seam.ds_config import DsConfigError, load_ds_config, reducer_config
     from nshard.run.plan import PlanError, load_plan
+    from nshard.run.start import find_start
     from nshard.run.state import find_resumable
     from nshard.run.training import Run, RunError, preflight, run_training
 
@@ -50,6 +51,7 @@ def main(argv=None) -> int:
         ds_config = preflight(plan, ds_config, world_size)  # completed from the plan, once
         out = Path(args.out) if args.out else plan.run_dir()
         resume_from = find_resumable(out, Path(args.plan), Path(args.ds_config), world_size) if args.resume else None
+        start = find_start(plan, world_size) if plan.cohort.enabled else None  # a second cohort's accepted candidate
     except (PlanError, DsConfigError, DataError, RunError, OSError, ValueError) as exc:
         print(f"nshard: error: {exc}", file=sys.stderr)
         return 2
@@ -60,7 +62,7 @@ def main(argv=None) -> int:
 
     init_distributed()
     run = Run(plan, Path(args.plan), Path(args.ds_config), ds_config, out, dist.get_rank(), dist.get_world_size(),
-              reducer)
+              reducer, start)
     try:
         run_training(run, overwrite=args.overwrite, resume_from=resume_from)
         dist.barrier()

@@ -130,3 +130,22 @@ def test_response_tokens_carry_the_weight_and_prompts_none():
     answer_ids = [i for i, w in zip(p.input_ids, p.weights) if w]
     assert tok.decode(answer_ids) == doc.messages[-1]["content"] + "<|im_end|>"
     assert p.weights[-1] == 0.0  # the template's newline after <|im_end|> is not trained
+
+
+@pytest.mark.parametrize("cohort, fragment", [
+    ('start = "optimizer"', 'cohort.start=\'optimizer\': use "state"'),
+    ('start = "weights"\ndense_warmup = true', "cohort.dense_warmup = true needs cohort.start"),
+    ("first_cohort_share = 1.5", "cohort.first_cohort_share=1.5 must lie in [0, 1]"),
+    ("first_cohort_eval_cases_per_family = -1", "cohort.first_cohort_eval_cases_per_family=-1"),
+    ("form = 'runs/x'", "unknown plan key cohort.form: known keys are dense_warmup, first_cohort_eval_cases_per_family, "
+                        "first_cohort_share, from, start"),
+])
+def test_a_bad_cohort_section_names_the_key(tmp_path, cohort, fragment):
+    msg = train_cli(tmp_path, TINY + f"\n[cohort]\n{cohort}\n")
+    assert fragment in msg, msg
+
+
+def test_a_cohort_from_a_directory_that_is_no_study_is_refused(tmp_path):
+    msg = train_cli(tmp_path, TINY + f'\n[cohort]\nfrom = "{tmp_path}"\n')
+    assert "is not a study directory (no study.json)" in msg
+

@@ -66,6 +66,12 @@ def candidate_entry(name: str, run_dir: Path) -> dict:
             "zero_stage": run.get("zero_stage"), "reducer": run.get("reducer")}
 
 
+def files_sha256(files: dict[str, str]) -> str:
+    """One hash for a model's file listing (relative path -> sha256), as a record holds it: a provenance chain names
+    a committed model by it."""
+    return hashlib.sha256(json.dumps(files, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def record_sha256(body: dict) -> str:
     canonical = json.dumps({k: v for k, v in body.items() if k != "record_sha256"}, sort_keys=True,
                            separators=(",", ":"))

@@ -213,11 +213,12 @@ def prepare_shared_caches(plan: Plan, plan_path: Path) -> None:
     model's replay answers, DeepSpeed's CPU collective build. The first arm would otherwise carry it."""
     import torch
 
+    from nshard.run.cohort import start_model_spec
     from nshard.run.models import load_tokenizer, resolve_model
     from nshard.run.replay import replay_documents
 
     t0 = time.perf_counter()
-    ref = resolve_model(plan.model.spec)
+    ref = resolve_model(start_model_spec(plan))
     for placement in arm_placements(plan, plan_path):  # where each arm's rank 0 will look for them
         replay_documents(plan, ref, load_tokenizer(ref), placement)
     if not torch.cuda.is_available():
@@ -295,7 +296,22 @@ def push_outputs(plan: Plan, out: Path, record: dict | None) -> dict | None:
     return stored
 
 
+def accept_cohort(plan: Plan, out: Path) -> dict:
+    """A second cohort: before anything is trained, the accepted study is checked (nshard/study/cohort.py: screen,
+    export, results) and the start of the provenance chain is written to cohort.json."""
+    from nshard.study.cohort import accept
+
+    ranks = tuple(a.ranks for a in plan.study.arms) if plan.cohort.start == "state" else ()
+    record = accept(plan, ranks)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "cohort.json", record)
+    say(f"second cohort from {record['candidate']} of {record['study']} (commitment "
+        f"{record['first_commitment_sha256'][:16]}, start = {record['start']}); accepted")
+    return record
+
+
 def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = False) -> dict:
+    from nshard.run.cohort import start_model_spec
     from nshard.run.models import ModelRef, load_tokenizer, resolve_model
     from nshard.study.validate import validate
 
@@ -305,12 +321,13 @@ def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = Fals
     out.mkdir(parents=True, exist_ok=True)
     for arm in plan.study.arms:  # every ds_config is checked before the first arm starts
         resolve_ds_config(arm.ds_config, plan_path)
+    cohort = accept_cohort(plan, out) if plan.cohort.enabled else None
     previous = {}
     if (out / "study.json").is_file():
         previous = {a["name"]: a for a in json.loads((out / "study.json").read_text()).get("arms", [])}
     study = {"plan": str(plan_path), "plan_sha256": file_sha256(plan_path), "plan_name": plan.name,
              "candidate": plan.study.candidate, "speed_baseline": plan.study.speed_baseline,
-             "screens": dataclasses.asdict(plan.screens), "exploratory": exploratory, "arms": [],
+             "screens": dataclasses.asdict(plan.screens), "exploratory": exploratory, "arms": [], "cohort": cohort,
              "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
     shutil.copyfile(plan_path, out / "plan.toml")
     t0 = time.perf_counter()
@@ -336,7 +353,8 @@ def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = Fals
     if not done:
         raise StudyError(f"no arm finished; see the logs under {out / 'logs'}")
 
-    seed_dir = Path(resolve_model(plan.model.spec).path)
+    # A second cohort's "seed" is the accepted candidate: its gain, pairing and retention are measured against it.
+    seed_dir = Path(resolve_model(start_model_spec(plan)).path)
     record = None if exploratory else commit_candidates(out, seed_dir, done)
     anchor_commitment(plan, out, record)
     if exploratory:
