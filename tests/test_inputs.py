@@ -149,3 +149,9 @@ def test_a_cohort_from_a_directory_that_is_no_study_is_refused(tmp_path):
     msg = train_cli(tmp_path, TINY + f'\n[cohort]\nfrom = "{tmp_path}"\n')
     assert "is not a study directory (no study.json)" in msg
 
+
+def test_the_cohort_plan_loads_with_its_study_found_from_the_checkout():
+    plan = load_plan(REPO / "launch/plans/cpu-cohort.toml")
+    assert plan.cohort.enabled and plan.cohort.start == "state" and plan.cohort.first_cohort_share == 0.25
+    assert plan.data.families == ("cheapest", "acronym") and plan.cohort.from_study.endswith("runs/cpu-study")
+    assert not load_plan(REPO / "launch/plans/tiny.toml").cohort.enabled

@@ -260,6 +260,42 @@ def test_a_cohort_from_the_weights_starts_a_fresh_optimizer(accepted, tmp_path):
     assert not any(r["update_compressed"][0] for r in receipts)  # a fresh reducer's dense warm-up update
 
 
+def test_a_cohort_study_on_the_tiny_model_runs_end_to_end_and_checks_its_provenance(accepted, tmp_path):
+    """The runner on a cohort plan: accepted, trained from the state, committed with the accepted candidate as its
+    seed, scored, validated and judged on the cohort's screens; an edited link of the chain stops the analysis."""
+    arm = f'\n[[study.arms]]\nname = "powersgd"\nranks = 2\nds_config = "{study_ds_config(accepted)}"\n'
+    plan = cohort_plan(tmp_path, accepted)
+    plan.write_text(plan.read_text() + '\n[study]\ncandidate = "powersgd"\nspeed_baseline = "powersgd"\n'
+                    'eval_max_new_tokens = 12\n' + arm)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "nshard.study", "--plan", str(plan), "--out", str(out)], cwd=REPO,
+                          env=run_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.index("second cohort from powersgd") < proc.stdout.index("arm powersgd: training")
+    results = json.loads((out / "results.json").read_text())
+    first = load_commitment(accepted / "commitment.json")
+    accepted_files = next(c for c in first["candidates"] if c["name"] == "powersgd")["files"]
+    assert load_commitment(out / "commitment.json")["seed"]["files"] == accepted_files
+    prov = results["provenance"]
+    assert prov["first_commitment_sha256"] == first["record_sha256"] and prov["accepted_candidate"] == "powersgd"
+    assert prov["cohort_commitment_sha256"] == results["commitment_sha256"]
+    names = [c["name"] for c in results["screens"]["quality"]["conditions"]]
+    assert names == ["new-task accuracy gain over the accepted checkpoint, points",
+                     "first-cohort paired 99% lower bound vs the accepted checkpoint, points",
+                     "retention-change 99% upper bound vs the accepted checkpoint, nats"]
+    assert isinstance(results["screens"]["quality"]["passed"], bool)
+    assert json.loads((out / "validation.json").read_text())["passed"]
+    families = {r["family"] for r in read_jsonl(out / "eval/powersgd/cases.jsonl")}
+    assert families == {"cheapest", "acronym", "lookup", "filtering", "sorting", "invoice"}
+    assert "second cohort: first seed files" in (out / "report.md").read_text()
+    body = json.loads((out / "study.json").read_text())
+    body["cohort"]["candidate_parameter_root"] = "0" * 64
+    (out / "study.json").write_text(json.dumps(body))
+    report = subprocess.run([sys.executable, "-m", "nshard.analysis.report", str(out)], cwd=REPO, capture_output=True,
+                            text=True, timeout=300)
+    assert report.returncode == 2 and "provenance: accepted candidate" in report.stderr, report.stderr
+
+
 def study_ds_config(study_dir: Path) -> Path:
     return Path(json.loads((study_dir / "study.json").read_text())["arms"][2]["ds_config"])
 
