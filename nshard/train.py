@@ -27,6 +27,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run directory (--out) from its newest state that verifies")
+    parser.add_argument("--no-replay", action="store_true",
+                        help="train without replay documents or a first cohort's cases (a no-replay control)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return parser.parse_args(argv)
 
@@ -62,7 +64,7 @@ def main(argv=None) -> int:
 
     init_distributed()
     run = Run(plan, Path(args.plan), Path(args.ds_config), ds_config, out, dist.get_rank(), dist.get_world_size(),
-              reducer, start)
+              reducer, start, replay=not args.no_replay)
     try:
         run_training(run, overwrite=args.overwrite, resume_from=resume_from)
         dist.barrier()

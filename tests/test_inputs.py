@@ -150,8 +150,16 @@ def test_a_cohort_from_a_directory_that_is_no_study_is_refused(tmp_path):
     assert "is not a study directory (no study.json)" in msg
 
 
+def test_a_cohort_plan_without_arms_trains_the_candidate_and_a_no_replay_control():
+    plan = plan_from_dict({"cohort": {"from": "/studies/first"}})
+    assert [(a.name, a.ranks, a.replay) for a in plan.study.arms] == [("powersgd", 2, True), ("no-replay", 2, False)]
+    assert plan.study.candidate == plan.study.speed_baseline == "powersgd"
+    assert [a.name for a in plan_from_dict({}).study.arms] == ["one-rank", "dense", "powersgd"]
+
+
 def test_the_cohort_plan_loads_with_its_study_found_from_the_checkout():
     plan = load_plan(REPO / "launch/plans/cpu-cohort.toml")
     assert plan.cohort.enabled and plan.cohort.start == "state" and plan.cohort.first_cohort_share == 0.25
     assert plan.data.families == ("cheapest", "acronym") and plan.cohort.from_study.endswith("runs/cpu-study")
+    assert [(a.name, a.replay) for a in plan.study.arms] == [("powersgd", True), ("no-replay", False)]
     assert not load_plan(REPO / "launch/plans/tiny.toml").cohort.enabled

@@ -261,9 +261,12 @@ def test_a_cohort_from_the_weights_starts_a_fresh_optimizer(accepted, tmp_path):
 
 
 def test_a_cohort_study_on_the_tiny_model_runs_end_to_end_and_checks_its_provenance(accepted, tmp_path):
-    """The runner on a cohort plan: accepted, trained from the state, committed with the accepted candidate as its
-    seed, scored, validated and judged on the cohort's screens; an edited link of the chain stops the analysis."""
-    arm = f'\n[[study.arms]]\nname = "powersgd"\nranks = 2\nds_config = "{study_ds_config(accepted)}"\n'
+    """The runner on a cohort plan: accepted, the candidate and a no-replay control trained from the state, committed
+    with the accepted candidate as their seed, scored, validated and judged on the cohort's screens; an edited link of
+    the chain stops the analysis."""
+    ds = study_ds_config(accepted)
+    arm = (f'\n[[study.arms]]\nname = "powersgd"\nranks = 2\nds_config = "{ds}"\n'
+           f'\n[[study.arms]]\nname = "no-replay"\nranks = 2\nds_config = "{ds}"\nreplay = false\n')
     plan = cohort_plan(tmp_path, accepted)
     plan.write_text(plan.read_text() + '\n[study]\ncandidate = "powersgd"\nspeed_baseline = "powersgd"\n'
                     'eval_max_new_tokens = 12\n' + arm)
@@ -287,6 +290,13 @@ def test_a_cohort_study_on_the_tiny_model_runs_end_to_end_and_checks_its_provena
     assert json.loads((out / "validation.json").read_text())["passed"]
     families = {r["family"] for r in read_jsonl(out / "eval/powersgd/cases.jsonl")}
     assert families == {"cheapest", "acronym", "lookup", "filtering", "sorting", "invoice"}
+    # The control trained on the new families alone, and is paired against the candidate on the same cases.
+    control = json.loads((out / "arms/no-replay/prepared/sets.json").read_text())["cohort"]
+    assert control["first_cohort_replay_ids"] == [] and json.loads((out / "arms/no-replay/run.json").read_text())[
+        "replay"] is False
+    trained = {json.loads(line)["kind"] for line in (out / "arms/no-replay/prepared/documents.jsonl").read_text().splitlines()}
+    assert trained == {"task"}
+    assert [c["control"] for c in results["comparisons"]] == ["no-replay"]
     assert "second cohort: first seed files" in (out / "report.md").read_text()
     body = json.loads((out / "study.json").read_text())
     body["cohort"]["candidate_parameter_root"] = "0" * 64

@@ -236,16 +236,18 @@ def write_prepared(out: Path, docs: list[Document], prepared: list[Prepared], sc
     write_json_atomic(out / "identity.json", {"prepared_identity": identity})
 
 
-def prepare(plan: Plan, tokenizer, replay: list[Document]) -> tuple[list[Document], list[Prepared], list[list[int]], dict, str]:
+def prepare(plan: Plan, tokenizer, replay: list[Document], with_replay: bool = True
+            ) -> tuple[list[Document], list[Prepared], list[list[int]], dict, str]:
     """Build the training documents, tokenize them and fix the schedule; returns (docs, prepared, schedule, sets, identity).
     A second cohort ([cohort]) adds its share of the first cohort's training cases to training, fresh cases of the
-    first cohort's families to evaluation, and what it continues from to the sets (so the identity covers them)."""
+    first cohort's families to evaluation, and what it continues from to the sets (so the identity covers them).
+    with_replay=False (a no-replay control; `replay` is then empty): none of the first cohort's cases either."""
     d = plan.data
     train_cases, eval_cases = tasks.split_cases(list(d.families), d.seed, d.eval_seed,
                                                 d.train_cases_per_family, d.eval_cases_per_family)
     cohort_sets = {}
     if plan.cohort.enabled:
-        replayed, cohort_eval, cohort_sets = first_cohort(plan, train_cases, eval_cases)
+        replayed, cohort_eval, cohort_sets = first_cohort(plan, train_cases, eval_cases, with_replay)
         train_cases, eval_cases = train_cases + replayed, eval_cases + cohort_eval
     docs = task_documents(train_cases, d.task_response_weight) + replay
     if len({doc.doc_id for doc in docs}) != len(docs):
@@ -257,11 +259,13 @@ def prepare(plan: Plan, tokenizer, replay: list[Document]) -> tuple[list[Documen
     return docs, prepared, schedule, sets, prepared_identity(prepared, schedule, sets)
 
 
-def first_cohort(plan: Plan, train_cases: list, eval_cases: list) -> tuple[list, list, dict]:
+def first_cohort(plan: Plan, train_cases: list, eval_cases: list, with_replay: bool = True) -> tuple[list, list, dict]:
     """The first cohort's cases a second cohort replays and evaluates, and its sets entry. Every role's cases are
     checked apart (ids and prompts): no first-cohort evaluation case, nor a case this cohort evaluates, is trained."""
     accepted = read_accepted(plan.cohort.from_study)
     replayed, kept_out, first_eval, fresh = first_cohort_cases(plan, accepted)
+    if not with_replay:
+        replayed, kept_out = [], replayed + kept_out
     try:
         tasks.check_disjoint_roles({"training": train_cases + replayed, "evaluation": eval_cases + fresh,
                                     "first-cohort training not replayed": kept_out,

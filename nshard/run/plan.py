@@ -132,6 +132,9 @@ class ArmSpec:
     keep_state: bool | None = None
     """Keep the arm's final complete state (state/) after it finished; default: only the candidate keeps it
     (a second cohort continues from it). Every arm saves it alike, so all arms are timed alike."""
+    replay: bool = True
+    """false: train without replay, neither general replay documents nor a first cohort's cases (a second cohort's
+    no-replay control); the arm is scored on the candidate's evaluation and retention sets."""
 
     def __post_init__(self):
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
@@ -142,6 +145,13 @@ class ArmSpec:
         _positive(f"study.arms[{self.name}].ranks", self.ranks)
         if self.keep_state is not None and not isinstance(self.keep_state, bool):
             raise PlanError(f"study.arms[{self.name}].keep_state={self.keep_state!r}: use true or false")
+
+
+def cohort_arms() -> list[dict]:
+    """A second cohort's default [[study.arms]]: the candidate (two ranks, PowerSGD, with replay) and a no-replay
+    control; both continue the accepted candidate's state, so both take its reducer and rank count."""
+    arm = {"ranks": 2, "ds_config": "ds_configs/powersgd.json"}
+    return [{"name": "powersgd", **arm}, {"name": "no-replay", **arm, "replay": False}]
 
 
 def _default_arms() -> tuple[ArmSpec, ...]:
@@ -354,6 +364,9 @@ def plan_from_dict(raw: dict, default_name: str = "plan") -> Plan:
     name = raw.pop("name", default_name)
     if not isinstance(name, str):
         raise PlanError(f"name must be a string, got {type(name).__name__}")
+    if isinstance(raw.get("cohort"), dict) and raw["cohort"].get("from") and isinstance(raw.get("study", {}), dict) \
+            and "arms" not in raw.get("study", {}):
+        raw["study"] = {"arms": cohort_arms(), "speed_baseline": "powersgd", **raw.get("study", {})}
     sections = {}
     for key, value in raw.items():
         if key not in SECTIONS:

@@ -44,6 +44,8 @@ class Run:
     start: "StartPoint | None" = None
     """A second cohort's accepted candidate (nshard/run/start.py), checked before the process group; None: the plan's
     model.spec."""
+    replay: bool = True
+    """False (--no-replay): train without the plan's replay documents and without a first cohort's cases."""
 
     @property
     def is_main(self) -> bool:
@@ -82,7 +84,7 @@ def setup_run_dir(run: Run, overwrite: bool) -> None:
 def write_run_json(run: Run, status: str, **fields) -> None:
     body = {"status": status, "plan": run.plan.name,
             "plan_sha256": file_sha256(run.plan_path), "ds_config_sha256": file_sha256(run.ds_config_path),
-            "world_size": run.world, "updates": run.plan.train.updates,
+            "world_size": run.world, "updates": run.plan.train.updates, "replay": run.replay,
             "written_at": datetime.datetime.now(datetime.timezone.utc).isoformat(), **fields}
     write_json_atomic(run.out / "run.json", body)
 
@@ -94,10 +96,12 @@ def prepare_inputs(run: Run, tokenizer, model_ref):
     # Rank 0 generates and caches the seed model's replay answers once, on the run's device and in its dtype
     # (minutes to hours for a big model: the others wait on a long timeout); the others then read them.
     placement = device_mod.run_placement(run.ds_config)
-    on_main_rank_long(run, replay_documents, run.plan, model_ref, tokenizer, placement)
-    replay = replay_documents(run.plan, model_ref, tokenizer, placement)
+    replay = []
+    if run.replay:
+        on_main_rank_long(run, replay_documents, run.plan, model_ref, tokenizer, placement)
+        replay = replay_documents(run.plan, model_ref, tokenizer, placement)
     try:
-        prepared_all = data_mod.prepare(run.plan, tokenizer, replay)
+        prepared_all = data_mod.prepare(run.plan, tokenizer, replay, with_replay=run.replay)
         error = None
     except data_mod.DataError as exc:
         prepared_all, error = None, str(exc)

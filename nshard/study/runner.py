@@ -79,10 +79,11 @@ def launch_command(arm: ArmSpec, plan: Plan, plan_path: Path, ds_config: Path, r
         if list(hosts) == ["localhost"]:  # DeepSpeed's plain form would ssh to localhost
             where += ["--no_ssh_check", "--master_addr", "127.0.0.1"]
     return [deepspeed, *where, "--master_port", str(port), str(TRAIN_SCRIPT),
-            "--ds_config", str(ds_config), "--plan", str(plan_path), "--out", str(run_dir), "--overwrite"]
+            "--ds_config", str(ds_config), "--plan", str(plan_path), "--out", str(run_dir), "--overwrite",
+            *([] if arm.replay else ["--no-replay"])]
 
 
-def arm_is_done(run_dir: Path, plan_sha: str, ds_sha: str, ranks: int) -> bool:
+def arm_is_done(run_dir: Path, plan_sha: str, ds_sha: str, ranks: int, replay: bool = True) -> bool:
     """Finished earlier with the same inputs: complete run.json, same hashes and rank count, an exported model."""
     try:
         run = json.loads((run_dir / "run.json").read_text())
@@ -90,6 +91,7 @@ def arm_is_done(run_dir: Path, plan_sha: str, ds_sha: str, ranks: int) -> bool:
         return False
     return (run.get("status") == "complete" and run.get("plan_sha256") == plan_sha
             and run.get("ds_config_sha256") == ds_sha and run.get("world_size") == ranks
+            and run.get("replay", True) == replay
             and (run_dir / "model" / "model.safetensors").is_file())
 
 
@@ -102,7 +104,7 @@ def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: di
     attempts = list((previous or {}).get("attempts", []))
     entry = {"name": arm.name, "ranks": arm.ranks, "ds_config": str(ds_config), "ds_config_sha256": ds_sha,
              "run_dir": str(run_dir), "attempts": attempts}
-    if arm_is_done(run_dir, plan_sha, ds_sha, arm.ranks):
+    if arm_is_done(run_dir, plan_sha, ds_sha, arm.ranks, arm.replay):
         say(f"arm {arm.name}: finished earlier with the same plan and ds_config; reused")
         last = attempts[-1] if attempts else {}
         return {**entry, "status": "complete", "reused": True, "log": last.get("log"),
@@ -124,7 +126,7 @@ def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: di
     wall = time.perf_counter() - t0
     attempts.append({"rc": rc, "log": str(log), "wall_s": wall,
                      "at": datetime.datetime.now(datetime.timezone.utc).isoformat()})
-    ok = rc == 0 and arm_is_done(run_dir, plan_sha, ds_sha, arm.ranks)
+    ok = rc == 0 and arm_is_done(run_dir, plan_sha, ds_sha, arm.ranks, arm.replay)
     status = "complete" if ok else "failed"
     say(f"arm {arm.name}: {status} in {wall:.0f} s" + ("" if ok else f" (exit {rc}); see {log}"))
     tail = [] if ok else log.read_text(errors="replace").splitlines()[-15:]
@@ -176,7 +178,8 @@ def score_all(plan: Plan, out: Path, seed_dir: Path, arms: dict[str, Path], reco
     from nshard.study.evaluate import score_model
 
     exploratory = record is None
-    reference_run = next(iter(arms.values()))
+    # The candidate's sets: a no-replay control has no retention documents of its own.
+    reference_run = arms.get(plan.study.candidate) or next(iter(arms.values()))
     evals: dict[str, Path] = {}
     for label, model_dir in [("seed", seed_dir), *((name, run / "model") for name, run in arms.items())]:
         target = out / "eval" / label
@@ -361,7 +364,7 @@ def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = Fals
         say("EXPLORATORY: scoring without a commitment; every output says so")
     evals = score_all(plan, out, seed_dir, done, record)
     tokenizer = load_tokenizer(ModelRef(str(seed_dir), str(seed_dir), None, "local"))
-    study["validation"] = validate(next(iter(done.values())), tokenizer, evals, record=record, plan_path=plan_path,
+    study["validation"] = validate(done.get(plan.study.candidate) or next(iter(done.values())), tokenizer, evals, record=record, plan_path=plan_path,
                                    regenerate_batches=plan.study.validate_regenerate_batches)
     write_json_atomic(out / "validation.json", study["validation"])
     say(f"validation passed: {len(evals)} models x {study['validation']['case_ids']} cases re-checked")
