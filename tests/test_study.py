@@ -249,6 +249,17 @@ def test_a_cohort_from_the_state_continues_the_optimizer_and_error_memory_bit_fo
     assert set(sets["cohort"]["first_cohort_replay_ids"]) <= trained
 
 
+def test_a_cohort_from_the_state_runs_a_second_dense_warm_up_only_when_asked(accepted, tmp_path):
+    from runs import launch
+
+    out = tmp_path / "run"
+    launch(out, study_ds_config(accepted), world=2, plan=cohort_plan(tmp_path, accepted, extra="dense_warmup = true\n"))
+    start = json.loads((out / "run.json").read_text())["cohort"]["start"]
+    assert start["dense_warmup"] and start["optimizer_state_matches"] and start["reducer_state_matches"]
+    receipts = [json.loads(p.read_text()) for p in (out / "receipts").glob("rank-*.json")]
+    assert [r["update_compressed"][:2] for r in receipts] == [[False, True]] * 2  # the ds_config's one dense update
+
+
 def test_a_cohort_from_the_weights_starts_a_fresh_optimizer(accepted, tmp_path):
     from runs import launch
 
