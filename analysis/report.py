@@ -21,9 +21,10 @@ from fractions import Fraction
 from pathlib import Path
 
 from nshard.analysis.paired import PairingError, cases_for_one_loss, mean_interval, paired_bounds
-from nshard.evidence.commit import CommitError, check_committed_as, load_commitment, model_files
+from nshard.evidence.commit import CommitError, check_committed_as, files_sha256, load_commitment, model_files
 
-FAMILY_TITLES = {"lookup": "Lookup", "filtering": "Filtering", "sorting": "Sorting", "invoice": "Invoice totals"}
+FAMILY_TITLES = {"lookup": "Lookup", "filtering": "Filtering", "sorting": "Sorting", "invoice": "Invoice totals",
+                 "cheapest": "Cheapest item", "acronym": "Acronym"}
 
 
 class StudyError(ValueError):
@@ -241,7 +242,78 @@ def speed_screen(arms: list[dict], candidate: str, baseline: str, screens: dict,
     return {"passed": conds[0]["passed"], "comparable": True, "conditions": conds, "speedups": speedups}
 
 
+# ---------------------------------------------------------------- a second cohort
+
+
+def check_provenance(study_dir: Path, study: dict, record: dict | None) -> dict:
+    """The chain seed -> first-study commitment -> accepted candidate -> this study's commitment, each link checked
+    again from the files: the first record still hashes to what cohort.json names and commits the candidate's files;
+    this study's seed is exactly those files; every arm's run started from that candidate under that record."""
+    cohort = study["cohort"]
+    try:
+        first = load_commitment(Path(cohort["study"]) / "commitment.json")
+    except CommitError as exc:
+        raise StudyError(f"provenance: {exc}") from None
+    accepted = next((c for c in first["candidates"] if c["name"] == cohort["candidate"]), None)
+    links = [("first commitment", first["record_sha256"] == cohort["first_commitment_sha256"]),
+             ("first seed", files_sha256(first["seed"]["files"]) == cohort["first_seed_files_sha256"]),
+             ("accepted candidate", accepted is not None and accepted["files"] == cohort["candidate_files"]
+              and accepted["parameter_root"] == cohort["candidate_parameter_root"])]
+    if record is not None:
+        links.append(("this study's seed", record["seed"]["files"] == cohort["candidate_files"]))
+    for arm in study["arms"]:
+        if arm["status"] == "complete":
+            started = read_json(Path(arm["run_dir"]) / "run.json").get("cohort") or {}
+            links.append((f"arm {arm['name']}", started.get("commitment_sha256") == first["record_sha256"]
+                          and started.get("parameter_root") == cohort["candidate_parameter_root"]))
+    broken = [name for name, ok in links if not ok]
+    if broken:
+        raise StudyError(f"provenance: {', '.join(broken)} does not follow from {cohort['study']}'s accepted "
+                         f"candidate {cohort['candidate']} (cohort.json); the chain is broken")
+    return {"first_seed_files_sha256": cohort["first_seed_files_sha256"],
+            "first_commitment_sha256": first["record_sha256"], "accepted_candidate": cohort["candidate"],
+            "accepted_parameter_root": cohort["candidate_parameter_root"],
+            "accepted_files_sha256": files_sha256(cohort["candidate_files"]),
+            "cohort_commitment_sha256": record["record_sha256"] if record else None}
+
+
+def cohort_screen(candidate: dict, rows: list[dict], seed_rows: list[dict], first_families: list[str],
+                  screens: dict) -> dict:
+    """A second cohort's quality screen, against the accepted checkpoint (this study's seed): the new families'
+    gain, the first cohort's families paired case by case, and the retention documents."""
+    if candidate["status"] != "complete":
+        return {"passed": False, "conditions": [{"name": "candidate trained", "passed": False,
+                                                 "value": candidate["status"], "rule": "complete"}]}
+    conf = screens["confidence"]
+
+    def counts(flags):
+        return {"correct": sum(flags), "cases": len(flags)}
+    new = [r for r in rows if r["family"] not in first_families]
+    new_seed = [r for r in seed_rows if r["family"] not in first_families]
+    gain = (gain_points(counts([bool(r["correct"]) for r in new]), counts([bool(r["correct"]) for r in new_seed]))
+            if new and new_seed else None)
+    try:
+        paired = paired_bounds({r["case_id"]: r["correct"] for r in rows if r["family"] in first_families},
+                               {r["case_id"]: r["correct"] for r in seed_rows if r["family"] in first_families}, conf)
+    except (PairingError, ValueError):  # fewer than two first-cohort cases: no bound, no pass
+        paired = {"lower_points": None}
+    conds = [condition("new-task accuracy gain over the accepted checkpoint, points", gain,
+                       screens["min_accuracy_gain_points"], ">="),
+             condition(f"first-cohort paired {conf:.0%} lower bound vs the accepted checkpoint, points",
+                       paired["lower_points"], screens["min_paired_lower_points"], ">"),
+             condition(f"retention-change {conf:.0%} upper bound vs the accepted checkpoint, nats",
+                       (candidate.get("retention") or {}).get("upper_nats"), screens["max_retention_upper_nats"], "<")]
+    return {"passed": all(c["passed"] for c in conds), "conditions": conds, "first_cohort_paired": paired}
+
+
 # ---------------------------------------------------------------- assembling
+
+
+def first_cohort_families(study: dict) -> list[str]:
+    """The first cohort's families, as the candidate's prepared sets name them."""
+    arm = next(a for a in study["arms"] if a["name"] == study["candidate"])
+    sets = read_json(Path(arm["run_dir"]) / "prepared" / "sets.json")
+    return list(sets.get("cohort", {}).get("first_cohort_families", []))
 
 
 def analyze(study_dir: Path) -> dict:
@@ -304,7 +376,13 @@ def analyze(study_dir: Path) -> dict:
     # Every decision names what it was computed from.
     evidence = {"commitment_sha256": commitment_sha, "prepared_identity": identity,
                 "parameter_roots": {a["name"]: a["parameter_root"] for a in arms}, "exploratory": exploratory}
-    quality = quality_screen(candidate, seed, comparisons, failed_controls, screens)
+    cohort = study.get("cohort")
+    provenance = check_provenance(study_dir, study, commitment) if cohort else None
+    if cohort:
+        quality = cohort_screen(candidate, case_rows.get(candidate["name"], []), seed_rows,
+                                first_cohort_families(study) if candidate["status"] == "complete" else [], screens)
+    else:
+        quality = quality_screen(candidate, seed, comparisons, failed_controls, screens)
     speed = speed_screen(arms, study["candidate"], study["speed_baseline"], screens, study.get("placement"))
     return {
         "exploratory": exploratory, "exploratory_reasons": exploratory_reasons,
@@ -314,7 +392,7 @@ def analyze(study_dir: Path) -> dict:
         "plan_sha256": study["plan_sha256"], "candidate": study["candidate"],
         "speed_baseline": study["speed_baseline"], "screens_declared": screens,
         "validation": study.get("validation"), "placement": study.get("placement"),
-        "seed": seed, "arms": arms, "comparisons": comparisons,
+        "seed": seed, "arms": arms, "comparisons": comparisons, "provenance": provenance,
         "screens": {"quality": {**quality, "evidence": evidence}, "speed": {**speed, "evidence": evidence}},
     }
 
@@ -437,6 +515,11 @@ def render_report(results: dict) -> str:
             lines.append(f"- {arm['name']}: parameter root `{arm['parameter_root']}`")
         else:
             lines.append(f"- {arm['name']}: **{arm['status']}** (log: `{arm['log']}`)")
+    if prov := results.get("provenance"):
+        lines.append(f"- second cohort: first seed files `{prov['first_seed_files_sha256']}` → first commitment "
+                     f"`{prov['first_commitment_sha256']}` → accepted candidate {prov['accepted_candidate']} (parameter "
+                     f"root `{prov['accepted_parameter_root']}`, files `{prov['accepted_files_sha256']}`) → this "
+                     f"commitment `{prov['cohort_commitment_sha256']}`; the seed column is the accepted candidate")
     if results.get("validation"):
         lines.append(f"- post-scoring validation: passed on {results['validation']['case_ids']} cases per model")
     if anchor := results.get("commitment_anchor"):

@@ -27,6 +27,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run directory (--out) from its newest state that verifies")
+    parser.add_argument("--no-replay", action="store_true",
+                        help="train without replay documents or a first cohort's cases (a no-replay control)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return parser.parse_args(argv)
 
@@ -37,6 +39,7 @@ def main(argv=None) -> int:
     from nshard.run.data import DataError
     from nshard.seam.ds_config import DsConfigError, load_ds_config, reducer_config
     from nshard.run.plan import PlanError, load_plan
+    from nshard.run.start import find_start
     from nshard.run.state import find_resumable
     from nshard.run.training import Run, RunError, preflight, run_training
 
@@ -50,6 +53,7 @@ def main(argv=None) -> int:
         ds_config = preflight(plan, ds_config, world_size)  # completed from the plan, once
         out = Path(args.out) if args.out else plan.run_dir()
         resume_from = find_resumable(out, Path(args.plan), Path(args.ds_config), world_size) if args.resume else None
+        start = find_start(plan, world_size) if plan.cohort.enabled else None  # a second cohort's accepted candidate
     except (PlanError, DsConfigError, DataError, RunError, OSError, ValueError) as exc:
         print(f"nshard: error: {exc}", file=sys.stderr)
         return 2
@@ -60,7 +64,7 @@ def main(argv=None) -> int:
 
     init_distributed()
     run = Run(plan, Path(args.plan), Path(args.ds_config), ds_config, out, dist.get_rank(), dist.get_world_size(),
-              reducer)
+              reducer, start, replay=not args.no_replay)
     try:
         run_training(run, overwrite=args.overwrite, resume_from=resume_from)
         dist.barrier()

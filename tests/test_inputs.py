@@ -130,3 +130,36 @@ def test_response_tokens_carry_the_weight_and_prompts_none():
     answer_ids = [i for i, w in zip(p.input_ids, p.weights) if w]
     assert tok.decode(answer_ids) == doc.messages[-1]["content"] + "<|im_end|>"
     assert p.weights[-1] == 0.0  # the template's newline after <|im_end|> is not trained
+
+
+@pytest.mark.parametrize("cohort, fragment", [
+    ('start = "optimizer"', 'cohort.start=\'optimizer\': use "state"'),
+    ('start = "weights"\ndense_warmup = true', "cohort.dense_warmup = true needs cohort.start"),
+    ("first_cohort_share = 1.5", "cohort.first_cohort_share=1.5 must lie in [0, 1]"),
+    ("first_cohort_eval_cases_per_family = -1", "cohort.first_cohort_eval_cases_per_family=-1"),
+    ("form = 'runs/x'", "unknown plan key cohort.form: known keys are dense_warmup, first_cohort_eval_cases_per_family, "
+                        "first_cohort_share, from, start"),
+])
+def test_a_bad_cohort_section_names_the_key(tmp_path, cohort, fragment):
+    msg = train_cli(tmp_path, TINY + f"\n[cohort]\n{cohort}\n")
+    assert fragment in msg, msg
+
+
+def test_a_cohort_from_a_directory_that_is_no_study_is_refused(tmp_path):
+    msg = train_cli(tmp_path, TINY + f'\n[cohort]\nfrom = "{tmp_path}"\n')
+    assert "is not a study directory (no study.json)" in msg
+
+
+def test_a_cohort_plan_without_arms_trains_the_candidate_and_a_no_replay_control():
+    plan = plan_from_dict({"cohort": {"from": "/studies/first"}})
+    assert [(a.name, a.ranks, a.replay) for a in plan.study.arms] == [("powersgd", 2, True), ("no-replay", 2, False)]
+    assert plan.study.candidate == plan.study.speed_baseline == "powersgd"
+    assert [a.name for a in plan_from_dict({}).study.arms] == ["one-rank", "dense", "powersgd"]
+
+
+def test_the_cohort_plan_loads_with_its_study_found_from_the_checkout():
+    plan = load_plan(REPO / "launch/plans/cpu-cohort.toml")
+    assert plan.cohort.enabled and plan.cohort.start == "state" and plan.cohort.first_cohort_share == 0.25
+    assert plan.data.families == ("cheapest", "acronym") and plan.cohort.from_study.endswith("runs/cpu-study")
+    assert [(a.name, a.replay) for a in plan.study.arms] == [("powersgd", True), ("no-replay", False)]
+    assert not load_plan(REPO / "launch/plans/tiny.toml").cohort.enabled

@@ -106,6 +106,221 @@ def test_the_study_writes_its_outputs_and_reports_the_failed_arm(study):
         assert json.loads((out / "eval" / label / "summary.json").read_text())["commitment"] == record["record_sha256"]
 
 
+# ---------------------------------------------------------------- a second cohort from this study
+
+
+def cohort_cli(study_dir: Path, *extra) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nshard.study.cohort", str(study_dir), *extra], cwd=REPO,
+                          env=run_env(), capture_output=True, text=True, timeout=300)
+
+
+def cohort_plan(tmp: Path, study_dir: Path, start: str = "state", extra: str = "") -> Path:
+    """The tiny plan teaching the second cohort's families from `study_dir`'s candidate."""
+    text = (REPO / "launch/plans/tiny.toml").read_text().replace("eval_seed = 7007", "eval_seed = 7107")
+    text = text.replace("[data]\n", '[data]\nfamilies = ["cheapest", "acronym"]\n')
+    plan = tmp / f"cohort-{start}.toml"
+    plan.write_text(text + f'\n[cohort]\nfrom = "{study_dir}"\nstart = "{start}"\nfirst_cohort_eval_cases_per_family = 2\n'
+                    + extra)
+    return plan
+
+
+@pytest.fixture(scope="module")
+def accepted(study, tmp_path_factory):
+    """A copy of the study whose candidate passes: its declared screens made lenient and the broken arm left out
+    before the analysis ran again (the trained arms, the record and the scores are the study's own)."""
+    out = tmp_path_factory.mktemp("accepted") / "study"
+    shutil.copytree(study["out"], out, ignore=shutil.ignore_patterns("evidence.tar*"))
+    body = json.loads((out / "study.json").read_text())
+    body["arms"] = [a for a in body["arms"] if a["name"] != "broken"]
+    body["screens"].update(min_accuracy_gain_points=-100.0, max_retention_upper_nats=100.0,
+                           min_paired_lower_points=-100.0)
+    (out / "study.json").write_text(json.dumps(body))
+    proc = subprocess.run([sys.executable, "-m", "nshard.analysis.report", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((out / "results.json").read_text())["screens"]["quality"]["passed"] is True
+    return out
+
+
+def test_a_cohort_from_an_unaccepted_study_is_refused_with_one_error(study, tmp_path):
+    """The study's candidate failed its quality screen: the check, the study runner and the trainer all refuse."""
+    proc = cohort_cli(study["out"])
+    assert proc.returncode == 2 and "did not pass its quality screen" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    plan = cohort_plan(tmp_path, study["out"])
+    runner = subprocess.run([sys.executable, "-m", "nshard.study", "--plan", str(plan), "--out", str(tmp_path / "out")],
+                            cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert runner.returncode == 2 and "did not pass its quality screen" in runner.stderr, runner.stderr[-2000:]
+    assert not (tmp_path / "out" / "arms").exists()
+    trainer = subprocess.run([sys.executable, str(REPO / "nshard/train.py"), "--plan", str(plan), "--ds_config",
+                              str(study["plan"].parent / "powersgd.json"), "--out", str(tmp_path / "run")],
+                             cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert trainer.returncode == 2 and "did not pass its quality screen" in trainer.stderr, trainer.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_accepted_study_is_accepted_with_its_provenance(accepted):
+    proc = cohort_cli(accepted)
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout)
+    committed = load_commitment(accepted / "commitment.json")
+    candidate = next(c for c in committed["candidates"] if c["name"] == "powersgd")
+    assert record["first_commitment_sha256"] == committed["record_sha256"]
+    assert record["candidate"] == "powersgd" and record["candidate_parameter_root"] == candidate["parameter_root"]
+    assert record["candidate_files"] == candidate["files"] == model_files(accepted / "arms/powersgd/model")
+    assert record["state"] == "update-000003"
+    assert cohort_cli(accepted, "--ranks", "1").returncode == 2  # its error memory belongs to two ranks
+
+
+def edited_copy(accepted: Path, tmp_path: Path, edit) -> Path:
+    copy = tmp_path / "study"
+    shutil.copytree(accepted, copy)
+    edit(copy)
+    return copy
+
+
+def test_a_cohort_from_a_tampered_export_is_refused(accepted, tmp_path):
+    def flip(copy):
+        weights = copy / "arms/powersgd/model/model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-10] ^= 0x01
+        weights.write_bytes(bytes(data))
+    proc = cohort_cli(edited_copy(accepted, tmp_path, flip))
+    assert proc.returncode == 2 and "is not what the study committed and judged" in proc.stderr, proc.stderr
+    assert "model.safetensors" in proc.stderr
+
+
+def test_a_cohort_from_an_uncommitted_candidate_is_refused(accepted, tmp_path):
+    """A record (its own hash made whole again) that names the other arms but not the candidate."""
+    from nshard.evidence.commit import record_sha256
+
+    def drop(copy):
+        body = json.loads((copy / "commitment.json").read_text())
+        body["candidates"] = [c for c in body["candidates"] if c["name"] != "powersgd"]
+        body["record_sha256"] = record_sha256(body)
+        (copy / "commitment.json").write_text(json.dumps(body))
+    proc = cohort_cli(edited_copy(accepted, tmp_path, drop))
+    assert proc.returncode == 2 and "'powersgd' is not committed by" in proc.stderr, proc.stderr
+
+
+def test_a_cohort_from_results_the_files_do_not_give_is_refused(accepted, tmp_path):
+    """One score flipped in the candidate's cases: the analysis recomputed no longer gives results.json's screen."""
+    def flip(copy):
+        path = copy / "eval/powersgd/cases.jsonl"
+        rows = read_jsonl(path)
+        rows[0]["correct"] = not rows[0]["correct"]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = cohort_cli(edited_copy(accepted, tmp_path, flip))
+    assert proc.returncode == 2 and "quality screen is not the one the study's files give" in proc.stderr, proc.stderr
+
+
+def test_a_cohort_from_the_state_continues_the_optimizer_and_error_memory_bit_for_bit(accepted, tmp_path):
+    """start = "state": the trainer's record of what it loaded equals what the state's files hold (read here); its
+    first update compresses (no second dense warm-up) and steps with the cohort's schedule, not the decayed one."""
+    import torch
+
+    from nshard.run.start import reducer_part, tree_sha256
+    from runs import launch
+
+    ds = study_ds_config(accepted)
+    out = tmp_path / "run"
+    launch(out, ds, world=2, plan=cohort_plan(tmp_path, accepted))
+    run = json.loads((out / "run.json").read_text())
+    start = run["cohort"]["start"]
+    state = accepted / "arms/powersgd/state/update-000003"
+    saved = torch.load(state / "deepspeed/mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    reducer = {k: v for k, v in reducer_part(torch.load(state / "rank-0.pt", weights_only=False)["seam"]).items()
+               if k != "updates"}
+    assert start["kind"] == "state" and start["optimizer_state_matches"] and start["reducer_state_matches"]
+    assert start["optimizer_state_sha256"] == tree_sha256(saved["optimizer"]["state"])
+    assert start["reducer_state_sha256"] == tree_sha256(reducer)
+    assert start["parameter_root"] == run["cohort"]["parameter_root"]
+    assert run["cohort"]["commitment_sha256"] == load_commitment(accepted / "commitment.json")["record_sha256"]
+    receipts = [json.loads(p.read_text()) for p in (out / "receipts").glob("rank-*.json")]
+    assert all(r["update_compressed"][0] for r in receipts)
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    fresh = json.loads((accepted / "arms/powersgd/metrics.jsonl").read_text().splitlines()[0])
+    assert first["lr"] == fresh["lr"]
+    sets = json.loads((out / "prepared/sets.json").read_text())
+    assert sets["cohort"]["candidate"] == "powersgd" and len(sets["cohort"]["first_cohort_replay_ids"]) == 12
+    trained = {json.loads(line)["doc_id"] for line in (out / "prepared/documents.jsonl").read_text().splitlines()}
+    first_eval = set(json.loads((accepted / "arms/powersgd/prepared/sets.json").read_text())["eval_case_ids"])
+    assert not trained & (first_eval | set(sets["eval_case_ids"]))
+    assert set(sets["cohort"]["first_cohort_replay_ids"]) <= trained
+
+
+def test_a_cohort_from_the_state_runs_a_second_dense_warm_up_only_when_asked(accepted, tmp_path):
+    from runs import launch
+
+    out = tmp_path / "run"
+    launch(out, study_ds_config(accepted), world=2, plan=cohort_plan(tmp_path, accepted, extra="dense_warmup = true\n"))
+    start = json.loads((out / "run.json").read_text())["cohort"]["start"]
+    assert start["dense_warmup"] and start["optimizer_state_matches"] and start["reducer_state_matches"]
+    receipts = [json.loads(p.read_text()) for p in (out / "receipts").glob("rank-*.json")]
+    assert [r["update_compressed"][:2] for r in receipts] == [[False, True]] * 2  # the ds_config's one dense update
+
+
+def test_a_cohort_from_the_weights_starts_a_fresh_optimizer(accepted, tmp_path):
+    from runs import launch
+
+    out = tmp_path / "run"
+    launch(out, study_ds_config(accepted), world=2, plan=cohort_plan(tmp_path, accepted, start="weights"))
+    run = json.loads((out / "run.json").read_text())
+    assert run["cohort"]["start"] == {"kind": "weights", "parameter_root": run["cohort"]["parameter_root"]}
+    receipts = [json.loads(p.read_text()) for p in (out / "receipts").glob("rank-*.json")]
+    assert not any(r["update_compressed"][0] for r in receipts)  # a fresh reducer's dense warm-up update
+
+
+def test_a_cohort_study_on_the_tiny_model_runs_end_to_end_and_checks_its_provenance(accepted, tmp_path):
+    """The runner on a cohort plan: accepted, the candidate and a no-replay control trained from the state, committed
+    with the accepted candidate as their seed, scored, validated and judged on the cohort's screens; an edited link of
+    the chain stops the analysis."""
+    ds = study_ds_config(accepted)
+    arm = (f'\n[[study.arms]]\nname = "powersgd"\nranks = 2\nds_config = "{ds}"\n'
+           f'\n[[study.arms]]\nname = "no-replay"\nranks = 2\nds_config = "{ds}"\nreplay = false\n')
+    plan = cohort_plan(tmp_path, accepted)
+    plan.write_text(plan.read_text() + '\n[study]\ncandidate = "powersgd"\nspeed_baseline = "powersgd"\n'
+                    'eval_max_new_tokens = 12\n' + arm)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "nshard.study", "--plan", str(plan), "--out", str(out)], cwd=REPO,
+                          env=run_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.index("second cohort from powersgd") < proc.stdout.index("arm powersgd: training")
+    results = json.loads((out / "results.json").read_text())
+    first = load_commitment(accepted / "commitment.json")
+    accepted_files = next(c for c in first["candidates"] if c["name"] == "powersgd")["files"]
+    assert load_commitment(out / "commitment.json")["seed"]["files"] == accepted_files
+    prov = results["provenance"]
+    assert prov["first_commitment_sha256"] == first["record_sha256"] and prov["accepted_candidate"] == "powersgd"
+    assert prov["cohort_commitment_sha256"] == results["commitment_sha256"]
+    names = [c["name"] for c in results["screens"]["quality"]["conditions"]]
+    assert names == ["new-task accuracy gain over the accepted checkpoint, points",
+                     "first-cohort paired 99% lower bound vs the accepted checkpoint, points",
+                     "retention-change 99% upper bound vs the accepted checkpoint, nats"]
+    assert isinstance(results["screens"]["quality"]["passed"], bool)
+    assert json.loads((out / "validation.json").read_text())["passed"]
+    families = {r["family"] for r in read_jsonl(out / "eval/powersgd/cases.jsonl")}
+    assert families == {"cheapest", "acronym", "lookup", "filtering", "sorting", "invoice"}
+    # The control trained on the new families alone, and is paired against the candidate on the same cases.
+    control = json.loads((out / "arms/no-replay/prepared/sets.json").read_text())["cohort"]
+    assert control["first_cohort_replay_ids"] == [] and json.loads((out / "arms/no-replay/run.json").read_text())[
+        "replay"] is False
+    trained = {json.loads(line)["kind"] for line in (out / "arms/no-replay/prepared/documents.jsonl").read_text().splitlines()}
+    assert trained == {"task"}
+    assert [c["control"] for c in results["comparisons"]] == ["no-replay"]
+    assert "second cohort: first seed files" in (out / "report.md").read_text()
+    body = json.loads((out / "study.json").read_text())
+    body["cohort"]["candidate_parameter_root"] = "0" * 64
+    (out / "study.json").write_text(json.dumps(body))
+    report = subprocess.run([sys.executable, "-m", "nshard.analysis.report", str(out)], cwd=REPO, capture_output=True,
+                            text=True, timeout=300)
+    assert report.returncode == 2 and "provenance: accepted candidate" in report.stderr, report.stderr
+
+
+def study_ds_config(study_dir: Path) -> Path:
+    return Path(json.loads((study_dir / "study.json").read_text())["arms"][2]["ds_config"])
+
+
 def test_the_study_anchors_its_record_before_scoring_and_stores_models_and_evidence(study):
     out, store, stdout = study["out"], study["store"], study["proc"].stdout
     record = load_commitment(out / "commitment.json")

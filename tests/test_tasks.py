@@ -11,7 +11,7 @@ import pytest
 
 from nshard import tasks
 from nshard.tasks import FAMILIES, Case, make_cases, split_cases
-from nshard.tasks import filtering, invoice, lookup, sorting
+from nshard.tasks import acronym, cheapest, filtering, invoice, lookup, sorting
 
 ALL = sorted(FAMILIES)
 
@@ -154,12 +154,65 @@ def test_generated_cases_are_pinned():
     assert tasks.answer(make_cases("invoice", 0, 0, 1)[0]) == "154.14"
     assert tasks.answer(make_cases("lookup", 0, 1, 1)[0]) == "1991"
     assert tasks.answer(make_cases("filtering", 0, 1, 1)[0]) == "glove, lamp, yarn, fork"
+    assert tasks.answer(make_cases("cheapest", 0, 1, 1)[0]) == "kettle"
+    assert tasks.answer(make_cases("acronym", 0, 1, 1)[0]) == "OCH"
+
+
+def test_cheapest_hand_checked():
+    case = Case("c", "cheapest", 0, 0, {"items": [["pen", 12], ["lamp", 80], ["tea", 3], ["vase", 60]]})
+    assert cheapest.prompt(case) == ("Shop:\npen: 12\nlamp: 80\ntea: 3\nvase: 60\n"
+                                     "Which item is the cheapest? Answer with the item name only.")
+    assert cheapest.answer(case) == "tea"
+    assert cheapest.score(case, "tea.") and not cheapest.score(case, "Tea") and not cheapest.score(case, "tea: 3")
+
+
+def test_cheapest_prices_never_tie():
+    for case in make_cases("cheapest", 4, 0, 500):
+        prices = [p for _, p in case.payload["items"]]
+        names = [n for n, _ in case.payload["items"]]
+        assert len(set(prices)) == len(prices) and len(set(names)) == len(names)
+        assert 3 <= len(prices) <= 5 and tasks.answer(case) in names
+
+
+def test_acronym_hand_checked():
+    case = Case("a", "acronym", 0, 0, {"words": ["global", "data", "network"]})
+    assert acronym.prompt(case) == ("Phrase: global data network\n"
+                                    "What is its acronym? Answer with the capital first letters only.")
+    assert acronym.answer(case) == "GDN"
+    for bad in ("gdn", "G D N", "G.D.N", "GDN (global data network)", "GD"):
+        assert not acronym.score(case, bad), bad
+    assert acronym.score(case, " GDN. ")
+
+
+def test_second_cohort_families_are_new_and_registered():
+    assert set(tasks.SECOND_COHORT).isdisjoint(tasks.FIRST_COHORT)
+    assert set(FAMILIES) == {*tasks.FIRST_COHORT, *tasks.SECOND_COHORT}
+    from nshard.run.plan import DataSection
+
+    assert DataSection().families == tasks.FIRST_COHORT
+
+
+def test_case_ids_and_prompts_stay_disjoint_across_roles_and_cohorts():
+    """A first study's training and evaluation cases, a cohort's training cases of the new families and its fresh
+    cases of both cohorts' families (another eval seed): no id and no prompt in two roles."""
+    roles = {"first training": [c for f in tasks.FIRST_COHORT for c in make_cases(f, 11, 0, 24)],
+             "first evaluation": [c for f in tasks.FIRST_COHORT for c in make_cases(f, 1011, 0, 64)],
+             "cohort training": [c for f in tasks.SECOND_COHORT for c in make_cases(f, 21, 0, 24)],
+             "cohort evaluation": [c for f in FAMILIES for c in make_cases(f, 2021, 0, 64)]}
+    tasks.check_disjoint_roles(roles)
+    with pytest.raises(ValueError, match="case ids are in both first training and cohort evaluation"):
+        tasks.check_disjoint_roles({**roles, "cohort evaluation": make_cases("lookup", 11, 3, 2)})
+    # The same content under another seed: the prompt check fires even though the ids differ.
+    same = make_cases("acronym", 21, 0, 1)[0]
+    twin = tasks.base.new_case("acronym", 99, 0, same.payload)
+    with pytest.raises(ValueError, match=f"repeats the prompt of cohort training case {same.case_id}"):
+        tasks.check_disjoint_roles({**roles, "copy": [twin]})
 
 
 def test_split_has_fresh_evaluation_cases():
     train, evaluation = split_cases(ALL, train_seed=0, eval_seed=1, n_train_per_family=200,
                                     n_eval_per_family=50)
-    assert len(train) == 800 and len(evaluation) == 200
+    assert len(train) == 200 * len(ALL) and len(evaluation) == 50 * len(ALL)
     assert {c.seed for c in train} == {0} and {c.seed for c in evaluation} == {1}
     assert not {c.case_id for c in train} & {c.case_id for c in evaluation}
     assert not {tasks.prompt(c) for c in train} & {tasks.prompt(c) for c in evaluation}

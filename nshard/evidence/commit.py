@@ -63,7 +63,14 @@ def candidate_entry(name: str, run_dir: Path) -> dict:
             "files": model_files(run_dir / "model"), "parameter_root": run["parameter_root"],
             "plan_sha256": run["plan_sha256"], "ds_config_sha256": run["ds_config_sha256"],
             "prepared_identity": run["prepared_identity"], "world_size": run["world_size"],
+            "replay": run.get("replay", True),
             "zero_stage": run.get("zero_stage"), "reducer": run.get("reducer")}
+
+
+def files_sha256(files: dict[str, str]) -> str:
+    """One hash for a model's file listing (relative path -> sha256), as a record holds it: a provenance chain names
+    a committed model by it."""
+    return hashlib.sha256(json.dumps(files, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def record_sha256(body: dict) -> str:
@@ -73,9 +80,11 @@ def record_sha256(body: dict) -> str:
 
 
 def build_commitment(seed_dir: Path, arms: dict[str, Path]) -> dict:
-    """One record for all candidates together; they must share one prepared identity."""
+    """One record for all candidates together; they must share one prepared identity, but for arms trained without
+    replay (a no-replay control), whose inputs differ by design."""
     candidates = [candidate_entry(name, run_dir) for name, run_dir in arms.items()]
-    identities = {c["prepared_identity"] for c in candidates}
+    identities = {c["prepared_identity"] for c in candidates if c["replay"]} or {c["prepared_identity"]
+                                                                               for c in candidates}
     if len(identities) != 1:
         raise CommitError(f"the candidates were trained on different prepared inputs {sorted(identities)}; "
                           "a study compares arms of one plan")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from nshard import tasks
 from nshard.files import write_json_atomic, write_jsonl_atomic
+from nshard.run.cohort import AcceptedStudy, CohortError, read_accepted
 from nshard.run.plan import Plan
 
 ROLES = ("system", "user", "assistant")
@@ -235,16 +236,66 @@ def write_prepared(out: Path, docs: list[Document], prepared: list[Prepared], sc
     write_json_atomic(out / "identity.json", {"prepared_identity": identity})
 
 
-def prepare(plan: Plan, tokenizer, replay: list[Document]) -> tuple[list[Document], list[Prepared], list[list[int]], dict, str]:
-    """Build the training documents, tokenize them and fix the schedule; returns (docs, prepared, schedule, sets, identity)."""
+def prepare(plan: Plan, tokenizer, replay: list[Document], with_replay: bool = True
+            ) -> tuple[list[Document], list[Prepared], list[list[int]], dict, str]:
+    """Build the training documents, tokenize them and fix the schedule; returns (docs, prepared, schedule, sets, identity).
+    A second cohort ([cohort]) adds its share of the first cohort's training cases to training, fresh cases of the
+    first cohort's families to evaluation, and what it continues from to the sets (so the identity covers them).
+    with_replay=False (a no-replay control; `replay` is then empty): none of the first cohort's cases either."""
     d = plan.data
     train_cases, eval_cases = tasks.split_cases(list(d.families), d.seed, d.eval_seed,
                                                 d.train_cases_per_family, d.eval_cases_per_family)
+    cohort_sets = {}
+    if plan.cohort.enabled:
+        replayed, cohort_eval, cohort_sets = first_cohort(plan, train_cases, eval_cases, with_replay)
+        train_cases, eval_cases = train_cases + replayed, eval_cases + cohort_eval
     docs = task_documents(train_cases, d.task_response_weight) + replay
     if len({doc.doc_id for doc in docs}) != len(docs):
         raise DataError("two training documents share an id (a replay id equal to a case id?); make ids unique")
     prepared = [tokenize(tokenizer, doc, plan.model.max_length) for doc in docs]
     schedule = batch_schedule(len(docs), plan.train.updates, plan.train.global_batch_docs, d.seed)
     sets = {"eval_case_ids": [c.case_id for c in eval_cases],
-            "retention_ids": retention_ids(replay, d.retention_docs, d.seed)}
+            "retention_ids": retention_ids(replay, d.retention_docs, d.seed), **cohort_sets}
     return docs, prepared, schedule, sets, prepared_identity(prepared, schedule, sets)
+
+
+def first_cohort(plan: Plan, train_cases: list, eval_cases: list, with_replay: bool = True) -> tuple[list, list, dict]:
+    """The first cohort's cases a second cohort replays and evaluates, and its sets entry. Every role's cases are
+    checked apart (ids and prompts): no first-cohort evaluation case, nor a case this cohort evaluates, is trained."""
+    accepted = read_accepted(plan.cohort.from_study)
+    replayed, kept_out, first_eval, fresh = first_cohort_cases(plan, accepted)
+    if not with_replay:
+        replayed, kept_out = [], replayed + kept_out
+    try:
+        tasks.check_disjoint_roles({"training": train_cases + replayed, "evaluation": eval_cases + fresh,
+                                    "first-cohort training not replayed": kept_out,
+                                    "first-cohort evaluation": first_eval})
+    except ValueError as exc:
+        raise DataError(f"[cohort]: {exc}") from None
+    sets = {"cohort": {"commitment_sha256": accepted.record_sha256, "candidate": accepted.candidate,
+                       "start": plan.cohort.start, "dense_warmup": plan.cohort.dense_warmup,
+                       "first_cohort_families": list(accepted.first_plan.data.families),
+                       "first_cohort_replay_ids": [c.case_id for c in replayed],
+                       "first_cohort_eval_case_ids": [c.case_id for c in fresh]}}
+    return replayed, fresh, sets
+
+
+def first_cohort_cases(plan: Plan, accepted: AcceptedStudy) -> tuple[list, list, list, list]:
+    """(replayed, not replayed, first evaluation, fresh first-family evaluation) cases. The first cohort's cases are
+    rebuilt from its plan and must be the ones its run recorded; the replayed share is a seed-ordered choice."""
+    first = accepted.first_plan.data
+    taught = sorted(set(plan.data.families) & set(first.families))
+    if taught:
+        raise CohortError(f"data.families names {taught}, which the first cohort ({accepted.study_dir}) taught "
+                          f"already; a second cohort teaches new families, e.g. {list(tasks.SECOND_COHORT)}")
+    train, evaluation = tasks.split_cases(first.families, first.seed, first.eval_seed, first.train_cases_per_family,
+                                          first.eval_cases_per_family)
+    if tuple(c.case_id for c in evaluation) != accepted.first_eval_case_ids:
+        raise CohortError(f"cohort.from: the first cohort's plan ({accepted.run_dir / 'plan.toml'}) rebuilds other "
+                          "evaluation cases than its prepared/sets.json records; the study's files disagree")
+    count = round(plan.cohort.first_cohort_share * len(train))
+    chosen = set(stable_order([c.case_id for c in train], "first-cohort replay", plan.data.seed)[:count])
+    fresh = [c for f in first.families for c in
+             tasks.make_cases(f, plan.data.eval_seed, 0, plan.cohort.first_cohort_eval_cases_per_family)]
+    return ([c for c in train if c.case_id in chosen], [c for c in train if c.case_id not in chosen], evaluation,
+            fresh)

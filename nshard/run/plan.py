@@ -12,6 +12,7 @@ import re
 import sys
 import typing
 from dataclasses import dataclass, field
+from typing import ClassVar
 from pathlib import Path
 
 if sys.version_info >= (3, 11):
@@ -131,6 +132,9 @@ class ArmSpec:
     keep_state: bool | None = None
     """Keep the arm's final complete state (state/) after it finished; default: only the candidate keeps it
     (a second cohort continues from it). Every arm saves it alike, so all arms are timed alike."""
+    replay: bool = True
+    """false: train without replay, neither general replay documents nor a first cohort's cases (a second cohort's
+    no-replay control); the arm is scored on the candidate's evaluation and retention sets."""
 
     def __post_init__(self):
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
@@ -141,6 +145,13 @@ class ArmSpec:
         _positive(f"study.arms[{self.name}].ranks", self.ranks)
         if self.keep_state is not None and not isinstance(self.keep_state, bool):
             raise PlanError(f"study.arms[{self.name}].keep_state={self.keep_state!r}: use true or false")
+
+
+def cohort_arms() -> list[dict]:
+    """A second cohort's default [[study.arms]]: the candidate (two ranks, PowerSGD, with replay) and a no-replay
+    control; both continue the accepted candidate's state, so both take its reducer and rank count."""
+    arm = {"ranks": 2, "ds_config": "ds_configs/powersgd.json"}
+    return [{"name": "powersgd", **arm}, {"name": "no-replay", **arm, "replay": False}]
 
 
 def _default_arms() -> tuple[ArmSpec, ...]:
@@ -229,6 +240,42 @@ class CheckpointSection:
 
 
 @dataclass(frozen=True)
+class CohortSection:
+    """A second cohort: continue from the accepted candidate of a finished study (docs/study.md#a-second-cohort)."""
+
+    TOML_KEYS: ClassVar[dict[str, str]] = {"from": "from_study"}
+    """Plan keys that are not field names ("from" is a Python keyword)."""
+
+    from_study: str = ""
+    """`from` in the plan: a finished study directory whose candidate passed its quality screen; empty: no cohort."""
+    start: str = "state"
+    """"state": the candidate's complete state (weights, AdamW moments, error memory, P/Q), with the learning-rate
+    schedule and optimizer settings of this run's ds_config; "weights": its exported model, with a fresh optimizer."""
+    dense_warmup: bool = False
+    """With start = "state": run the ds_config's dense warm-up updates again (default: the reducer keeps compressing)."""
+    first_cohort_share: float = 0.5
+    """Share of the first cohort's training documents mixed into this cohort's training (0 to 1)."""
+    first_cohort_eval_cases_per_family: int = 8
+    """Fresh cases (from data.eval_seed) of each first-cohort family, scored against the accepted checkpoint."""
+
+    def __post_init__(self):
+        if self.start not in ("state", "weights"):
+            raise PlanError(f"cohort.start={self.start!r}: use \"state\" (the candidate's complete state) or "
+                            "\"weights\" (its export, a fresh optimizer)")
+        if self.dense_warmup and self.start != "state":
+            raise PlanError("cohort.dense_warmup = true needs cohort.start = \"state\": a fresh optimizer starts "
+                            "with the ds_config's dense warm-up anyway; drop the key")
+        if not 0.0 <= self.first_cohort_share <= 1.0:
+            raise PlanError(f"cohort.first_cohort_share={self.first_cohort_share} must lie in [0, 1] (a share of the "
+                            "first cohort's training documents), e.g. 0.5")
+        _non_negative("cohort.first_cohort_eval_cases_per_family", self.first_cohort_eval_cases_per_family)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.from_study)
+
+
+@dataclass(frozen=True)
 class OutputSection:
     dir: str = ""
     """Run directory; empty: runs/<plan name>."""
@@ -244,6 +291,7 @@ class Plan:
     study: StudySection = field(default_factory=StudySection)
     output: OutputSection = field(default_factory=OutputSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    cohort: CohortSection = field(default_factory=CohortSection)
 
     def __post_init__(self):
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
@@ -264,7 +312,7 @@ class Plan:
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection,
             "screens": ScreensSection, "study": StudySection, "output": OutputSection,
-            "checkpoint": CheckpointSection}
+            "checkpoint": CheckpointSection, "cohort": CohortSection}
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -281,7 +329,10 @@ def load_plan(path: str | Path) -> Plan:
     data = dataclasses.replace(plan.data, replay_file=str(find_beside(plan.data.replay_file, path)))
     study = dataclasses.replace(plan.study, hostfile=str(find_beside(plan.study.hostfile, path)),
                                 store=resolve_store(plan.study.store, path))
-    return dataclasses.replace(plan, data=data, study=study)
+    cohort = plan.cohort
+    if cohort.enabled:  # absolute: the arms' ranks and the analysis find the same study from any directory
+        cohort = dataclasses.replace(cohort, from_study=str(Path(find_beside(cohort.from_study, path)).resolve()))
+    return dataclasses.replace(plan, data=data, study=study, cohort=cohort)
 
 
 def resolve_store(store: str, plan_path: Path) -> str:
@@ -313,6 +364,9 @@ def plan_from_dict(raw: dict, default_name: str = "plan") -> Plan:
     name = raw.pop("name", default_name)
     if not isinstance(name, str):
         raise PlanError(f"name must be a string, got {type(name).__name__}")
+    if isinstance(raw.get("cohort"), dict) and raw["cohort"].get("from") and isinstance(raw.get("study", {}), dict) \
+            and "arms" not in raw.get("study", {}):
+        raw["study"] = {"arms": cohort_arms(), "speed_baseline": "powersgd", **raw.get("study", {})}
     sections = {}
     for key, value in raw.items():
         if key not in SECTIONS:
@@ -325,12 +379,15 @@ def plan_from_dict(raw: dict, default_name: str = "plan") -> Plan:
 
 def _build_section(section: str, cls, values: dict):
     hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
+    to_field = getattr(cls, "TOML_KEYS", {})
+    to_key = {name: key for key, name in to_field.items()}
+    known = {to_key.get(f.name, f.name) for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in values.items():
         if key not in known:
             raise PlanError(f"unknown plan key {section}.{key}: known keys are {', '.join(sorted(known))}")
-        kwargs[key] = _check_type(f"{section}.{key}", value, hints[key])
+        name = to_field.get(key, key)
+        kwargs[name] = _check_type(f"{section}.{key}", value, hints[name])
     return cls(**kwargs)
 
 

@@ -26,6 +26,7 @@ from nshard.files import file_sha256, write_json_atomic
 from nshard.run.plan import Plan
 from nshard.run.ranks import RunError, all_ranks, on_main_rank, on_main_rank_long
 from nshard.run.receipts import GpuPeaks, MetricsLog, Receipt, parameter_root
+from nshard.run.start import StartPoint, restore, weights_record
 
 
 @dataclass
@@ -40,6 +41,11 @@ class Run:
     world: int
     reducer: ReducerConfig | None = None
     """The ds_config's "nshard" section, parsed once (None: DeepSpeed's own all-reduce)."""
+    start: "StartPoint | None" = None
+    """A second cohort's accepted candidate (nshard/run/start.py), checked before the process group; None: the plan's
+    model.spec."""
+    replay: bool = True
+    """False (--no-replay): train without the plan's replay documents and without a first cohort's cases."""
 
     @property
     def is_main(self) -> bool:
@@ -78,7 +84,7 @@ def setup_run_dir(run: Run, overwrite: bool) -> None:
 def write_run_json(run: Run, status: str, **fields) -> None:
     body = {"status": status, "plan": run.plan.name,
             "plan_sha256": file_sha256(run.plan_path), "ds_config_sha256": file_sha256(run.ds_config_path),
-            "world_size": run.world, "updates": run.plan.train.updates,
+            "world_size": run.world, "updates": run.plan.train.updates, "replay": run.replay,
             "written_at": datetime.datetime.now(datetime.timezone.utc).isoformat(), **fields}
     write_json_atomic(run.out / "run.json", body)
 
@@ -90,10 +96,12 @@ def prepare_inputs(run: Run, tokenizer, model_ref):
     # Rank 0 generates and caches the seed model's replay answers once, on the run's device and in its dtype
     # (minutes to hours for a big model: the others wait on a long timeout); the others then read them.
     placement = device_mod.run_placement(run.ds_config)
-    on_main_rank_long(run, replay_documents, run.plan, model_ref, tokenizer, placement)
-    replay = replay_documents(run.plan, model_ref, tokenizer, placement)
+    replay = []
+    if run.replay:
+        on_main_rank_long(run, replay_documents, run.plan, model_ref, tokenizer, placement)
+        replay = replay_documents(run.plan, model_ref, tokenizer, placement)
     try:
-        prepared_all = data_mod.prepare(run.plan, tokenizer, replay)
+        prepared_all = data_mod.prepare(run.plan, tokenizer, replay, with_replay=run.replay)
         error = None
     except data_mod.DataError as exc:
         prepared_all, error = None, str(exc)
@@ -249,6 +257,17 @@ def record_resume(run: Run, point: state_mod.ResumePoint, inputs: tuple) -> dict
     return record
 
 
+def start_cohort(run: Run, engine, seam) -> dict:
+    """A second cohort's first update continues the accepted candidate: its complete state is loaded (start =
+    "state") or its export was (start = "weights"); either way checked on every rank before training."""
+    record = (restore(engine, seam, run.start, run.rank) if run.start.kind == "state"
+              else weights_record(engine, run.start))
+    if run.is_main:
+        print(f"nshard: second cohort from {run.start.provenance['candidate']} of {run.start.provenance['study']} "
+              f"({record['kind']}, parameter root {record['parameter_root'][:16]})", flush=True)
+    return record
+
+
 def run_training(run: Run, overwrite: bool = False, resume_from: state_mod.ResumePoint | None = None) -> dict:
     """A fresh run, or (resume_from: a state found by nshard.run.state.find_resumable) one continued from a state."""
     from nshard.run.models import load_model, load_tokenizer, resolve_model
@@ -258,9 +277,10 @@ def run_training(run: Run, overwrite: bool = False, resume_from: state_mod.Resum
     gpu_peaks = GpuPeaks()
     gpu_peaks.start()
 
-    # Rank 0 converts the embedded model once; the others then find it cached.
-    on_main_rank(run, resolve_model, run.plan.model.spec)
-    model_ref = resolve_model(run.plan.model.spec)
+    # Rank 0 converts the embedded model once; the others then find it cached. A second cohort loads the export.
+    spec = str(run.start.model_dir) if run.start else run.plan.model.spec
+    on_main_rank(run, resolve_model, spec)
+    model_ref = resolve_model(spec)
     tokenizer = load_tokenizer(model_ref)
     inputs = prepare_inputs(run, tokenizer, model_ref)
     docs, prepared, schedule, sets, identity = inputs
@@ -275,6 +295,7 @@ def run_training(run: Run, overwrite: bool = False, resume_from: state_mod.Resum
     seam = engine_mod.install_reducer(engine, run.reducer)
     keeper = state_mod.StateKeeper(run, engine, seam, identity)
     start, receipt = keeper.restore(resume_from) if resume_from else (0, None)
+    started = start_cohort(run, engine, seam) if run.start and not resume_from else None
     resumed = on_main_rank(run, record_resume, run, resume_from, inputs) if resume_from else None
     setup_gpu = gpu_peaks.take()  # model load, replay generation, engine build (and restore)
     receipt = train(run, engine, seam, prepared, schedule, tokenizer.pad_token_id, keeper, start, receipt)
@@ -296,7 +317,8 @@ def run_training(run: Run, overwrite: bool = False, resume_from: state_mod.Resum
         write_run_json(run, "complete", prepared_identity=identity, parameter_root=root,
                        model={"spec": model_ref.spec, "kind": model_ref.kind, "sha256": model_ref.sha256},
                        zero_stage=extra["zero_stage"], reducer=extra["reducer"],
-                       resumed_from_update=body["resumed_from_update"], resumed_from=resumed)
+                       resumed_from_update=body["resumed_from_update"], resumed_from=resumed,
+                       cohort=run.start and {**run.start.provenance, "start": started})
         print(json.dumps({"run": str(run.out), "parameter_root": root, "active_s": round(body["active_s"], 3)}),
               flush=True)
     return body

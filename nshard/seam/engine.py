@@ -120,11 +120,14 @@ def save_checkpoint(engine, directory: Path) -> None:
     engine.save_checkpoint(str(directory), tag=DS_CHECKPOINT_TAG, save_latest=False)
 
 
-def load_checkpoint(engine, directory: Path) -> None:
-    path, _ = engine.load_checkpoint(str(directory), tag=DS_CHECKPOINT_TAG, load_module_strict=True,
-                                     load_optimizer_states=True, load_lr_scheduler_states=True)
+def load_checkpoint(engine, directory: Path, scheduler: bool = True) -> dict:
+    """DeepSpeed's checkpoint in <directory>/deepspeed/: module, optimizer, step counters, and the learning-rate
+    schedule unless scheduler=False (a second cohort keeps its own). Returns DeepSpeed's client state."""
+    path, client = engine.load_checkpoint(str(directory), tag=DS_CHECKPOINT_TAG, load_module_strict=True,
+                                          load_optimizer_states=True, load_lr_scheduler_states=scheduler)
     if path is None:
         raise RuntimeError(f"DeepSpeed found no checkpoint in {directory}/{DS_CHECKPOINT_TAG}")
+    return client
 
 
 def install_reducer(engine, config: ReducerConfig | None):

@@ -79,10 +79,11 @@ def launch_command(arm: ArmSpec, plan: Plan, plan_path: Path, ds_config: Path, r
         if list(hosts) == ["localhost"]:  # DeepSpeed's plain form would ssh to localhost
             where += ["--no_ssh_check", "--master_addr", "127.0.0.1"]
     return [deepspeed, *where, "--master_port", str(port), str(TRAIN_SCRIPT),
-            "--ds_config", str(ds_config), "--plan", str(plan_path), "--out", str(run_dir), "--overwrite"]
+            "--ds_config", str(ds_config), "--plan", str(plan_path), "--out", str(run_dir), "--overwrite",
+            *([] if arm.replay else ["--no-replay"])]
 
 
-def arm_is_done(run_dir: Path, plan_sha: str, ds_sha: str, ranks: int) -> bool:
+def arm_is_done(run_dir: Path, plan_sha: str, ds_sha: str, ranks: int, replay: bool = True) -> bool:
     """Finished earlier with the same inputs: complete run.json, same hashes and rank count, an exported model."""
     try:
         run = json.loads((run_dir / "run.json").read_text())
@@ -90,6 +91,7 @@ def arm_is_done(run_dir: Path, plan_sha: str, ds_sha: str, ranks: int) -> bool:
         return False
     return (run.get("status") == "complete" and run.get("plan_sha256") == plan_sha
             and run.get("ds_config_sha256") == ds_sha and run.get("world_size") == ranks
+            and run.get("replay", True) == replay
             and (run_dir / "model" / "model.safetensors").is_file())
 
 
@@ -102,7 +104,7 @@ def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: di
     attempts = list((previous or {}).get("attempts", []))
     entry = {"name": arm.name, "ranks": arm.ranks, "ds_config": str(ds_config), "ds_config_sha256": ds_sha,
              "run_dir": str(run_dir), "attempts": attempts}
-    if arm_is_done(run_dir, plan_sha, ds_sha, arm.ranks):
+    if arm_is_done(run_dir, plan_sha, ds_sha, arm.ranks, arm.replay):
         say(f"arm {arm.name}: finished earlier with the same plan and ds_config; reused")
         last = attempts[-1] if attempts else {}
         return {**entry, "status": "complete", "reused": True, "log": last.get("log"),
@@ -124,7 +126,7 @@ def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: di
     wall = time.perf_counter() - t0
     attempts.append({"rc": rc, "log": str(log), "wall_s": wall,
                      "at": datetime.datetime.now(datetime.timezone.utc).isoformat()})
-    ok = rc == 0 and arm_is_done(run_dir, plan_sha, ds_sha, arm.ranks)
+    ok = rc == 0 and arm_is_done(run_dir, plan_sha, ds_sha, arm.ranks, arm.replay)
     status = "complete" if ok else "failed"
     say(f"arm {arm.name}: {status} in {wall:.0f} s" + ("" if ok else f" (exit {rc}); see {log}"))
     tail = [] if ok else log.read_text(errors="replace").splitlines()[-15:]
@@ -176,7 +178,8 @@ def score_all(plan: Plan, out: Path, seed_dir: Path, arms: dict[str, Path], reco
     from nshard.study.evaluate import score_model
 
     exploratory = record is None
-    reference_run = next(iter(arms.values()))
+    # The candidate's sets: a no-replay control has no retention documents of its own.
+    reference_run = arms.get(plan.study.candidate) or next(iter(arms.values()))
     evals: dict[str, Path] = {}
     for label, model_dir in [("seed", seed_dir), *((name, run / "model") for name, run in arms.items())]:
         target = out / "eval" / label
@@ -213,11 +216,12 @@ def prepare_shared_caches(plan: Plan, plan_path: Path) -> None:
     model's replay answers, DeepSpeed's CPU collective build. The first arm would otherwise carry it."""
     import torch
 
+    from nshard.run.cohort import start_model_spec
     from nshard.run.models import load_tokenizer, resolve_model
     from nshard.run.replay import replay_documents
 
     t0 = time.perf_counter()
-    ref = resolve_model(plan.model.spec)
+    ref = resolve_model(start_model_spec(plan))
     for placement in arm_placements(plan, plan_path):  # where each arm's rank 0 will look for them
         replay_documents(plan, ref, load_tokenizer(ref), placement)
     if not torch.cuda.is_available():
@@ -295,7 +299,22 @@ def push_outputs(plan: Plan, out: Path, record: dict | None) -> dict | None:
     return stored
 
 
+def accept_cohort(plan: Plan, out: Path) -> dict:
+    """A second cohort: before anything is trained, the accepted study is checked (nshard/study/cohort.py: screen,
+    export, results) and the start of the provenance chain is written to cohort.json."""
+    from nshard.study.cohort import accept
+
+    ranks = tuple(a.ranks for a in plan.study.arms) if plan.cohort.start == "state" else ()
+    record = accept(plan, ranks)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "cohort.json", record)
+    say(f"second cohort from {record['candidate']} of {record['study']} (commitment "
+        f"{record['first_commitment_sha256'][:16]}, start = {record['start']}); accepted")
+    return record
+
+
 def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = False) -> dict:
+    from nshard.run.cohort import start_model_spec
     from nshard.run.models import ModelRef, load_tokenizer, resolve_model
     from nshard.study.validate import validate
 
@@ -305,12 +324,13 @@ def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = Fals
     out.mkdir(parents=True, exist_ok=True)
     for arm in plan.study.arms:  # every ds_config is checked before the first arm starts
         resolve_ds_config(arm.ds_config, plan_path)
+    cohort = accept_cohort(plan, out) if plan.cohort.enabled else None
     previous = {}
     if (out / "study.json").is_file():
         previous = {a["name"]: a for a in json.loads((out / "study.json").read_text()).get("arms", [])}
     study = {"plan": str(plan_path), "plan_sha256": file_sha256(plan_path), "plan_name": plan.name,
              "candidate": plan.study.candidate, "speed_baseline": plan.study.speed_baseline,
-             "screens": dataclasses.asdict(plan.screens), "exploratory": exploratory, "arms": [],
+             "screens": dataclasses.asdict(plan.screens), "exploratory": exploratory, "arms": [], "cohort": cohort,
              "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
     shutil.copyfile(plan_path, out / "plan.toml")
     t0 = time.perf_counter()
@@ -336,14 +356,15 @@ def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = Fals
     if not done:
         raise StudyError(f"no arm finished; see the logs under {out / 'logs'}")
 
-    seed_dir = Path(resolve_model(plan.model.spec).path)
+    # A second cohort's "seed" is the accepted candidate: its gain, pairing and retention are measured against it.
+    seed_dir = Path(resolve_model(start_model_spec(plan)).path)
     record = None if exploratory else commit_candidates(out, seed_dir, done)
     anchor_commitment(plan, out, record)
     if exploratory:
         say("EXPLORATORY: scoring without a commitment; every output says so")
     evals = score_all(plan, out, seed_dir, done, record)
     tokenizer = load_tokenizer(ModelRef(str(seed_dir), str(seed_dir), None, "local"))
-    study["validation"] = validate(next(iter(done.values())), tokenizer, evals, record=record, plan_path=plan_path,
+    study["validation"] = validate(done.get(plan.study.candidate) or next(iter(done.values())), tokenizer, evals, record=record, plan_path=plan_path,
                                    regenerate_batches=plan.study.validate_regenerate_batches)
     write_json_atomic(out / "validation.json", study["validation"])
     say(f"validation passed: {len(evals)} models x {study['validation']['case_ids']} cases re-checked")

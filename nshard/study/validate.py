@@ -136,6 +136,7 @@ def rebuild_prepared(run_dir: Path, plan_path: Path | None, tokenizer) -> dict:
     """The run's prepared identity three ways: recorded, recomputed from prepared/'s files, rebuilt from the plan."""
     from nshard.files import file_sha256
     from nshard.run import data as data_mod
+    from nshard.run.cohort import start_model_spec
     from nshard.run.device import run_placement
     from nshard.run.models import resolve_model
     from nshard.run.plan import load_plan
@@ -156,7 +157,7 @@ def rebuild_prepared(run_dir: Path, plan_path: Path | None, tokenizer) -> dict:
               f"recompute to identity {from_files[:16]}, not the recorded {recorded[:16]}: a file under "
               f"{run_dir / 'prepared'} was changed")
     plan = load_plan(plan_path)
-    ref = resolve_model(plan.model.spec)
+    ref = resolve_model(start_model_spec(plan))
     ds_config = json.loads((run_dir / "ds_config.json").read_text())
     replay = replay_documents(plan, ref, tokenizer, run_placement(ds_config))
     *_, sets, rebuilt = data_mod.prepare(plan, tokenizer, replay)

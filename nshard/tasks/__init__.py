@@ -1,14 +1,20 @@
-"""Task families (one module each) and the split of their cases into training cases and fresh
-evaluation cases."""
+"""Task families (one module each), the split of their cases into training cases and fresh
+evaluation cases, and the check that cases of different roles (and cohorts) never share an id or a prompt."""
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from nshard.tasks import filtering, invoice, lookup, sorting
+from collections.abc import Iterable, Mapping
+
+from nshard.tasks import acronym, cheapest, filtering, invoice, lookup, sorting
 from nshard.tasks.base import Case
 
-FAMILIES: dict[str, ModuleType] = {m.FAMILY: m for m in (lookup, filtering, sorting, invoice)}
+FAMILIES: dict[str, ModuleType] = {m.FAMILY: m for m in (lookup, filtering, sorting, invoice, cheapest, acronym)}
+FIRST_COHORT = ("lookup", "filtering", "sorting", "invoice")
+"""The families the first study teaches (the plan's default data.families)."""
+SECOND_COHORT = ("cheapest", "acronym")
+"""Families a second cohort teaches: short lookup-like tasks the first cohort does not."""
 
 
 def family_module(family: str) -> ModuleType:
@@ -55,16 +61,33 @@ def split_cases(families, train_seed: int, eval_seed: int, n_train_per_family: i
 
 
 def _check_disjoint(train: list[Case], evaluation: list[Case]) -> None:
-    shared_ids = {c.case_id for c in train} & {c.case_id for c in evaluation}
-    if shared_ids:
-        raise ValueError(f"{len(shared_ids)} case ids are in both training and evaluation, "
-                         f"e.g. {sorted(shared_ids)[0]}")
-    train_prompts = {prompt(c): c.case_id for c in train}
-    for c in evaluation:
-        if prompt(c) in train_prompts:
-            raise ValueError(f"evaluation case {c.case_id} repeats the prompt of training case "
-                             f"{train_prompts[prompt(c)]}; choose another eval_seed")
+    check_disjoint_roles({"training": train, "evaluation": evaluation})
 
 
-__all__ = ["Case", "FAMILIES", "answer", "family_module", "make_cases", "prompt", "score",
-           "split_cases"]
+def check_disjoint_roles(roles: Mapping[str, Iterable[Case]]) -> None:
+    """No two roles (training, evaluation, a first cohort's training, ...) share a case id or a prompt.
+
+    Raises ValueError naming both roles and the case; the seeds make an overlap unlikely, this checks it.
+    """
+    owner_of_id: dict[str, str] = {}
+    owner_of_prompt: dict[str, tuple[str, str]] = {}
+    for role, cases in roles.items():
+        ids, prompts = {}, {}
+        for c in cases:
+            ids[c.case_id] = role
+            prompts.setdefault(prompt(c), (role, c.case_id))
+        shared = sorted(set(ids) & set(owner_of_id))
+        if shared:
+            raise ValueError(f"{len(shared)} case ids are in both {owner_of_id[shared[0]]} and {role}, "
+                             f"e.g. {shared[0]}; give the roles different seeds")
+        for text, (_, cid) in prompts.items():
+            if text in owner_of_prompt:
+                other_role, other_id = owner_of_prompt[text]
+                raise ValueError(f"{role} case {cid} repeats the prompt of {other_role} case {other_id}; "
+                                 "choose another seed for one of them")
+        owner_of_id.update(ids)
+        owner_of_prompt.update(prompts)
+
+
+__all__ = ["Case", "FAMILIES", "FIRST_COHORT", "SECOND_COHORT", "answer", "check_disjoint_roles", "family_module",
+           "make_cases", "prompt", "score", "split_cases"]
