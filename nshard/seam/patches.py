@@ -346,7 +346,9 @@ def install_delta_sync(engine, codec) -> None:
     def step_group(i: int) -> None:
         original_step(i)
         masters, replicas = optimizer.single_partition_of_fp32_groups, optimizer.parallel_partitioned_bit16_groups
-        masters[i].grad = None  # what step() does next, done first: the gradient partition goes before the sync
+        # What step() does next, done here: after the swap its `.grad = None` would reach the replica instead, and
+        # the master would keep the gradient partition alive into the next update.
+        masters[i].grad = None
         me = _sync_group(optimizer, codec, exchange, masters, replicas, i)
         DELTA_SYNC["swapped"][i] = masters[i]
         masters[i] = replicas[i][me]
@@ -398,6 +400,7 @@ def take_delta_gap() -> float:
     return gap
 
 
+@torch.no_grad()
 def close_delta_gap(engine) -> None:
     """Every replica := its master, once, in place (a collective: all ranks). The run calls it after its last
     complete state is saved (which keeps the gap), so that the export holds the masters (rounded to the module's
