@@ -131,10 +131,6 @@ class DeltaCodec:
             packed |= q[:, k] << (self.bits * k)
         return packed
 
-    def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        """The codes (level + qmax) of packed bytes, in order (what _pack packed)."""
-        return (self._table(packed.device).index_select(0, packed.to(torch.int32)) + self.qmax).to(torch.uint8).view(-1)
-
 
 @torch.no_grad()
 def max_gap(master: torch.Tensor, replica: torch.Tensor) -> float:

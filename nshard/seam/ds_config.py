@@ -99,11 +99,11 @@ def reducer_config(config: dict) -> ReducerConfig | None:
                             "averages each update's accumulated gradient, which needs DeepSpeed to manage "
                             "accumulation; remove the key or set it to true")
     if parsed.parameter_sync == "delta":
-        delta_sync_problems(config)
+        check_delta_sync(config)
     return parsed
 
 
-def delta_sync_problems(config: dict) -> None:
+def check_delta_sync(config: dict) -> None:
     """Delta parameter sync needs ZeRO-1/2's partitioned masters, and a checkpoint that restores masters and
     replicas apart: a load that sets one from the other would close the gap that is its error memory."""
     zero = config.get("zero_optimization", {})
