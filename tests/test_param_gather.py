@@ -6,10 +6,13 @@ import torch
 from spawn import run_ranks
 
 
-def _gather(rank, world, part, dtype):
+def _gather(rank, world, part, dtype, lane):
     import torch.distributed as dist
 
+    from nshard.comm.ring import open_second_lane
     from nshard.seam.param_gather import ring_all_gather_
+
+    assert open_second_lane(dist.group.WORLD) == lane
 
     flat = torch.full((part * world,), float("nan"), dtype=dtype)
     views = [flat.narrow(0, i * part, part) for i in range(world)]
@@ -21,10 +24,12 @@ def _gather(rank, world, part, dtype):
     return flat, torch.cat(expected), sent
 
 
-@pytest.mark.parametrize("world, dtype", [(2, torch.float32), (3, torch.float32), (3, torch.bfloat16)])
-def test_ring_all_gather_fills_every_partition_in_place_like_all_gather(world, dtype):
+@pytest.mark.parametrize("world, dtype, lane", [(2, torch.float32, True), (3, torch.float32, False),
+                                               (3, torch.bfloat16, False)])
+def test_ring_all_gather_fills_every_partition_in_place_like_all_gather(world, dtype, lane):
+    """Two ranks on two connections (nshard/comm/ring.py), three on one group: the same bits as all_gather."""
     part = 1000
-    results = run_ranks(_gather, world_size=world, args=(part, dtype))
+    results = run_ranks(_gather, world_size=world, args=(part, dtype, lane))
     for flat, expected, sent in results:
         assert torch.equal(flat, expected)  # bit for bit, and no partition left unfilled (NaN)
         assert sent == (world - 1) * part * flat.element_size()

@@ -8,7 +8,7 @@ rounded IEEE operations, so every rank computes the same bits on any CPU or GPU,
 identical. What quantization left out stays in master − replica and is carried into the next Δ by
 construction: the gap is the error memory, and no buffer holds it.
 
-The exchange is a ring of isend/irecv (as nshard/seam/param_gather.py's), each partition applied as it arrives,
+The exchange is a ring of isend/irecv (nshard/comm/ring.py, as nshard/seam/param_gather.py's), each partition applied as it arrives,
 so beyond the replicas a rank holds one encoded partition per peer in flight, never a second model.
 Imports only torch: the DeepSpeed side (which tensors are masters and replicas) is nshard/seam/patches.py.
 """
@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from nshard.comm.ring import ring_step
 
 BITS = (8, 4, 2)
 CHUNK_BLOCKS = 4096
@@ -144,15 +146,18 @@ def max_gap(master: torch.Tensor, replica: torch.Tensor) -> float:
 
 
 def exchange_isend_irecv(isend: Callable = dist.isend, irecv: Callable = dist.irecv) -> Callable:
-    """One ring step as a pair of isend/irecv (gloo), each taking (tensor, peer global rank, group)."""
-    def exchange(outgoing: torch.Tensor, right: int, incoming: torch.Tensor, left: int, group) -> None:
-        for request in [isend(outgoing, right, group), irecv(incoming, left, group)]:
-            request.wait()
+    """One ring step as a pair of isend/irecv (gloo), each taking (tensor, peer global rank, group); a two-rank
+    group with a second lane sends each direction on its own connection (nshard/comm/ring.py)."""
+    def exchange(outgoing: torch.Tensor, incoming: torch.Tensor, group) -> None:
+        ring_step(outgoing, incoming, group, isend, irecv)
     return exchange
 
 
-def exchange_batched(outgoing: torch.Tensor, right: int, incoming: torch.Tensor, left: int, group) -> None:
+def exchange_batched(outgoing: torch.Tensor, incoming: torch.Tensor, group) -> None:
     """One ring step through batch_isend_irecv (NCCL, where a lone isend before an irecv can deadlock the ring)."""
+    n, me = dist.get_world_size(group=group), dist.get_rank(group=group)
+    right = dist.get_global_rank(group, (me + 1) % n) if group is not None else (me + 1) % n
+    left = dist.get_global_rank(group, (me - 1) % n) if group is not None else (me - 1) % n
     ops = [dist.P2POp(dist.isend, outgoing, right, group), dist.P2POp(dist.irecv, incoming, left, group)]
     for request in dist.batch_isend_irecv(ops):
         request.wait()
@@ -180,13 +185,11 @@ def delta_sync_(codec: DeltaCodec, master: torch.Tensor, replicas: Sequence[torc
     codec.apply_(replicas[me], encoded[me])
     if n == 1:
         return 0
-    right = dist.get_global_rank(group, (me + 1) % n) if group is not None else (me + 1) % n
-    left = dist.get_global_rank(group, (me - 1) % n) if group is not None else (me - 1) % n
     sent = 0
     for step in range(n - 1):
         outgoing, incoming = (me - step) % n, (me - step - 1) % n
         encoded[incoming] = codec.empty(numel, master.device)
-        exchange(encoded[outgoing], right, encoded[incoming], left, group)
+        exchange(encoded[outgoing], encoded[incoming], group)
         sent += encoded[outgoing].numel()
         codec.apply_(replicas[incoming], encoded[incoming])
         del encoded[outgoing]  # forwarded: at most two encoded partitions are alive at a time

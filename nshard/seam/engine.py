@@ -48,6 +48,7 @@ def build_engine(model: torch.nn.Module, config: dict):
         patches.keep_gradients_in_place(engine)
     if patches.partitioned_optimizer(engine):  # counted either way: the receipt reports the path that ran
         patches.install_parameter_gather(ring=reference_switch("NSHARD_PARAMETER_GATHER", ("ring", "deepspeed")) == "ring")
+        patches.open_ring_lanes(engine)
     return engine
 
 

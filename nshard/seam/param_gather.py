@@ -9,7 +9,8 @@ place takes 0.15-0.2 s.
 
 ring_all_gather_ moves the same bytes with isend/irecv directly between the partitions' own memory:
 in step s of N-1 each rank sends block (me - s) to its right neighbour and receives block (me - s - 1)
-from its left one. Every rank ends with every partition, bit for bit what the collective gives.
+from its left one (nshard/comm/ring.py: on gloo each direction of a two-rank ring on its own connection).
+Every rank ends with every partition, bit for bit what the collective gives.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+
+from nshard.comm.ring import ring_step
 
 
 def ring_all_gather_(partitions: Sequence[torch.Tensor], group=None, isend: Callable = dist.isend,
@@ -35,13 +38,9 @@ def ring_all_gather_(partitions: Sequence[torch.Tensor], group=None, isend: Call
     if n == 1:
         return 0
     me = dist.get_rank(group=group)
-    right = dist.get_global_rank(group, (me + 1) % n) if group is not None else (me + 1) % n
-    left = dist.get_global_rank(group, (me - 1) % n) if group is not None else (me - 1) % n
     sent = 0
     for step in range(n - 1):
         outgoing, incoming = partitions[(me - step) % n], partitions[(me - step - 1) % n]
-        requests = [isend(outgoing, right, group), irecv(incoming, left, group)]
-        for request in requests:
-            request.wait()
+        ring_step(outgoing, incoming, group, isend, irecv)
         sent += outgoing.numel() * outgoing.element_size()
     return sent

@@ -135,6 +135,17 @@ def install_parameter_gather(ring: bool) -> None:
             module.all_gather_dp_groups = functools.partial(_counted_deepspeed_gather, original)
 
 
+def open_ring_lanes(engine) -> None:
+    """Every ring of isend/irecv nshard runs on the partitioned optimizer's data-parallel groups (the weights' ring
+    all-gather, delta sync, closing the gap) sends each direction of a two-rank ring on its own gloo connection
+    (nshard/comm/ring.py). The lanes are made here, at set-up, on every rank in the same order."""
+    from nshard.comm.ring import open_second_lane
+
+    groups = getattr(engine.optimizer, "real_dp_process_group", None) or []
+    for group in dict.fromkeys(groups):  # distinct, in order
+        open_second_lane(group)
+
+
 def _counted_deepspeed_gather(original, *args, **kwargs):
     GATHER_CALLS["deepspeed"]["calls"] += 1
     return original(*args, **kwargs)
