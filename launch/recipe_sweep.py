@@ -1,17 +1,20 @@
 """Choose the CPU study's recipe on development data, the way the reference chose its own: a one-time step.
 
     .venv/bin/python -m launch.recipe_sweep [--plan launch/plans/cpu-study.toml] [--lrs 1e-4 2e-4 4e-4]
-        [--updates 16] [--dev_seed_offset 200] [--out runs/recipe-sweep] [--record launch/recipe/cpu-sweep]
+        [--updates 16] [--schedules decay] [--dev_seed_offset 200] [--out runs/recipe-sweep]
+        [--record launch/recipe/cpu-sweep]
 
 Each point trains the one-rank dense arm of PLAN with one learning rate (ds_configs/dense.json with the
-optimizer's lr and the scheduler's warmup_max_lr set to it) on a *development* seed: the plan's data.seed and
+optimizer's lr and the scheduler's warmup_max_lr set to it; --schedules "decay" keeps the ds_config's
+scheduler, "constant" holds the rate after the same warm-up: DeepSpeed's WarmupLR) on a *development* seed: the plan's data.seed and
 data.eval_seed plus --dev_seed_offset, so neither the training documents nor the evaluation cases are the
 final study's (case IDs carry their seed: the final evaluation never sees a development case). It runs as
 a one-arm exploratory study (python -m nshard.study --exploratory), which scores the seed model and the arm
 on the development cases and retention documents. The seed's scores are made once and reused.
 
 The rule, fixed before the first point ran: among the points whose retention-change upper bound is below
-the plan's screen, the highest accuracy gain over the seed; a tie goes to the lower rate. Every attempt,
+the plan's screen, the highest accuracy gain over the seed; a tie goes to the lower rate, then to the
+schedule listed first. Every attempt,
 failed ones included, goes into RECORD.json and RECORD.md (kept in the repository as evidence), with the
 command, exit status and each point's figures.
 """
@@ -31,7 +34,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def point_plan(base_text: str, study, lr: float, updates: int, offset: int, ds_config: Path) -> str:
+SCHEDULES = ("decay", "constant")
+
+
+def point_name(lr: float, updates: int, schedule: str) -> str:
+    return f"lr{lr:g}-u{updates}" + ("" if schedule == "decay" else f"-{schedule}")
+
+
+def point_plan(base_text: str, study, lr: float, updates: int, offset: int, ds_config: Path,
+               schedule: str = "decay") -> str:
     """The plan text of one point: development seeds, the update count, and a [study] of one arm (one rank,
     dense, this lr) scored as the plan scores. The plan's own [study] (which must come last) is replaced."""
     text = base_text.split("\n[study]", 1)[0]
@@ -43,30 +54,39 @@ def point_plan(base_text: str, study, lr: float, updates: int, offset: int, ds_c
         block = re.sub(rf"(?m)^({key} = )(\d+)", lambda m: f"{m[1]}{int(m[2]) + offset}", block, count=1)
     text = text[:data.start()] + block + text[data.end():]
     text = re.sub(r"(?m)^updates = \d+", f"updates = {updates}", text, count=1)
-    text = re.sub(r'(?m)^name = "(.*)"', lambda m: f'name = "{m[1]}-dev-lr{lr:g}-u{updates}"', text, count=1)
+    text = re.sub(r'(?m)^name = "(.*)"', lambda m: f'name = "{m[1]}-dev-{point_name(lr, updates, schedule)}"', text,
+                  count=1)
     return (text.rstrip() + f'\n\n[study]\ncandidate = "one-rank"\nspeed_baseline = "one-rank"\n'
             f"eval_max_new_tokens = {study.eval_max_new_tokens}\neval_batch_size = {study.eval_batch_size}\n"
             f'\n[[study.arms]]\nname = "one-rank"\nranks = 1\nds_config = "{ds_config}"\n')
 
 
-def point_ds_config(base: dict, lr: float) -> dict:
+def point_ds_config(base: dict, lr: float, schedule: str = "decay") -> dict:
     config = json.loads(json.dumps(base))
     config["optimizer"]["params"]["lr"] = lr
     if "scheduler" in config:
         params = config["scheduler"]["params"]
         params["warmup_max_lr"] = lr
         params["warmup_min_lr"] = lr / 10
+        if schedule == "constant":  # the same warm-up, then the rate held (no decay to the end)
+            config["scheduler"]["type"] = "WarmupLR"
+            params.pop("total_num_steps", None)
+    elif schedule != "decay":
+        raise SystemExit(f"recipe_sweep: error: --schedules {schedule} needs a scheduler in the ds_config")
     return config
 
 
-def run_point(lr: float, updates: int, args, plan, base_text: str, seed_eval: Path | None) -> dict:
-    name = f"lr{lr:g}-u{updates}"
+def run_point(lr: float, updates: int, args, plan, base_text: str, seed_eval: Path | None,
+              schedule: str = "decay") -> dict:
+    name = point_name(lr, updates, schedule)
     folder = Path(args.out) / name
     folder.mkdir(parents=True, exist_ok=True)
     ds_config = folder / "ds_config.json"
-    ds_config.write_text(json.dumps(point_ds_config(json.loads((REPO / args.ds_config).read_text()), lr), indent=1))
+    ds_config.write_text(json.dumps(point_ds_config(json.loads((REPO / args.ds_config).read_text()), lr, schedule),
+                                    indent=1))
     plan_path = folder / "plan.toml"
-    plan_path.write_text(point_plan(base_text, plan.study, lr, updates, args.dev_seed_offset, ds_config.resolve()))
+    plan_path.write_text(point_plan(base_text, plan.study, lr, updates, args.dev_seed_offset, ds_config.resolve(),
+                                    schedule))
     study = folder / "study"
     if seed_eval is not None and not (study / "eval" / "seed").exists():  # the seed scored once, on the same cases
         shutil.copytree(seed_eval, study / "eval" / "seed")
@@ -75,7 +95,7 @@ def run_point(lr: float, updates: int, args, plan, base_text: str, seed_eval: Pa
     t0 = time.perf_counter()
     with (folder / "log.txt").open("w") as log:
         rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
-    point = {"point": name, "lr": lr, "updates": updates, "command": " ".join(cmd), "rc": rc,
+    point = {"point": name, "lr": lr, "updates": updates, "schedule": schedule, "command": " ".join(cmd), "rc": rc,
              "wall_s": round(time.perf_counter() - t0, 1), "log": str(folder / "log.txt")}
     results = study / "results.json"
     if not results.is_file():
@@ -99,11 +119,12 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def choose(points: list[dict], max_retention: float) -> dict | None:
+def choose(points: list[dict], max_retention: float, schedules=SCHEDULES) -> dict | None:
     """The rule declared in this module's docstring."""
     ok = [p for p in points if p["status"] == "complete" and p["retention_upper_nats"] is not None
           and p["retention_upper_nats"] < max_retention]
-    return max(ok, key=lambda p: (p["gain_points"], -p["lr"]), default=None)
+    order = list(schedules)
+    return max(ok, key=lambda p: (p["gain_points"], -p["lr"], -order.index(p.get("schedule", "decay"))), default=None)
 
 
 def write_record(record: Path, body: dict) -> None:
@@ -134,6 +155,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ds_config", default="ds_configs/dense.json", help="the one-rank arm's ds_config to vary")
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-4, 2e-4, 4e-4])
     parser.add_argument("--updates", type=int, nargs="+", default=[16])
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=["decay"],
+                        help="decay: the ds_config's scheduler; constant: the same warm-up, then WarmupLR's held rate")
     parser.add_argument("--dev_seed_offset", type=int, default=200)
     parser.add_argument("--out", default="runs/recipe-sweep")
     parser.add_argument("--record", default="launch/recipe/cpu-sweep", help="RECORD.json and RECORD.md are written")
@@ -145,18 +168,19 @@ def main(argv=None) -> int:
     plan = load_plan(REPO / args.plan)
     base_text = (REPO / args.plan).read_text()
     rule = (f"highest accuracy gain among points with retention upper bound < "
-            f"{plan.screens.max_retention_upper_nats} nats; ties to the lower rate")
+            f"{plan.screens.max_retention_upper_nats} nats; ties to the lower rate, then the schedule listed first "
+            f"({', '.join(args.schedules)})")
     body = {"at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "plan": args.plan,
-            "ds_config": args.ds_config, "dev_seed_offset": args.dev_seed_offset, "rule": rule, "points": [],
+            "ds_config": args.ds_config, "schedules": args.schedules, "dev_seed_offset": args.dev_seed_offset, "rule": rule, "points": [],
             "chosen": None}
     for updates in args.updates:
         seed_eval = None  # the seed's scores are reused for points of one update count (one prepared identity)
-        for lr in args.lrs:
-            point = run_point(lr, updates, args, plan, base_text, seed_eval)
+        for lr, schedule in [(lr, schedule) for schedule in args.schedules for lr in args.lrs]:
+            point = run_point(lr, updates, args, plan, base_text, seed_eval, schedule)
             body["points"].append(point)
             if point["status"] == "complete" and seed_eval is None:
                 seed_eval = Path(args.out) / point["point"] / "study" / "eval" / "seed"
-            body["chosen"] = choose(body["points"], plan.screens.max_retention_upper_nats)
+            body["chosen"] = choose(body["points"], plan.screens.max_retention_upper_nats, args.schedules)
             write_record(REPO / args.record, body)
             print(f"[sweep] {point['point']}: {point['status']}"
                   + (f", gain {point['gain_points']:+.2f} points, retention upper {point['retention_upper_nats']:+.5f}"
