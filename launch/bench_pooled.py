@@ -8,13 +8,16 @@ Every arm compresses from its first update (no dense warm-up), on the plan's dat
 and writes (bench_pooled.json, bench_pooled.md) per arm: the median update seconds of the slowest rank, the
 bytes each rank handed to collectives per update (gradient + parameter sync), the kernel-counted bytes that
 crossed each host's link over the run against what the collectives imply, and each arm's update time over the
-first arm's. Needs root (network namespaces, cpusets); brings the hosts up and tears them down itself.
+first arm's. An arm name ending in "@one" runs that arm with NSHARD_RING_LANES=one: its rings of isend/irecv on
+one gloo connection for both directions, the path nshard/comm/ring.py replaced. Needs root (network namespaces,
+cpusets); brings the hosts up and tears them down itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -55,8 +58,17 @@ def short_plan(plan: Path, updates: int, out: Path) -> Path:
     return path
 
 
+def arm_lanes(name: str) -> tuple[str, dict]:
+    """(memory_probe arm name, environment) of a bench arm name: "X@one" is arm X on one connection per pair."""
+    base, at, lanes = name.partition("@")
+    if at and lanes != "one":
+        raise SystemExit(f"bench_pooled: error: arm {name!r}: the only suffix is @one (rings on one connection)")
+    return base, ({"NSHARD_RING_LANES": "one"} if at else {})
+
+
 def run_arm(name: str, plan: Path, hostfile: Path, args, out: Path) -> dict:
-    config = arm_ds_config(parse_arm(name), rank=args.rank, warmup=0)
+    base, env = arm_lanes(name)
+    config = arm_ds_config(parse_arm(base), rank=args.rank, warmup=0)
     config_path = out / "ds_configs" / f"{name}.json"
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(json.dumps(config, indent=1) + "\n")
@@ -67,7 +79,8 @@ def run_arm(name: str, plan: Path, hostfile: Path, args, out: Path) -> dict:
            "--out", str(run_dir), "--overwrite"]
     t0 = time.perf_counter()
     with log.open("w") as f:
-        code = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout_s).returncode
+        code = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout_s,
+                              env={**os.environ, **env}).returncode
     if code != 0:
         raise SystemExit(f"{log.read_text(errors='replace')[-4000:]}\nbench_pooled: error: arm {name} failed "
                          f"(exit {code}); log {log}")
@@ -87,6 +100,8 @@ def summarize(name: str, run_dir: Path, wall_s: float) -> dict:
             "expected_wire_bytes": [link.get("expected_wire_bytes") for link in links],
             "kernel_over_expected": [link.get("kernel_over_expected") for link in links],
             "ranks_agree": len({r["parameter_root"] for r in receipts}) == 1,
+            "ring_connections": sorted({(r.get("parameter_all_gather") or {}).get("ring_connections", "n/a")
+                                        for r in receipts}),
             "delta_gap_max": max((g for r in receipts for g in r.get("update_delta_gap", [])), default=None)}
 
 
@@ -113,7 +128,7 @@ def main(argv=None) -> int:
         return 2
     arms = [a for a in args.arms.split(",") if a]
     for name in arms:
-        parse_arm(name)  # a bad name fails before any host comes up
+        parse_arm(arm_lanes(name)[0])  # a bad name fails before any host comes up
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plan = short_plan(Path(args.plan), args.updates, out)

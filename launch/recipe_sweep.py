@@ -6,9 +6,9 @@
 
 Each point trains the one-rank dense arm of PLAN with one learning rate (ds_configs/dense.json with the
 optimizer's lr and the scheduler's warmup_max_lr set to it; --schedules "decay" keeps the ds_config's
-scheduler, "constant" holds the rate after the same warm-up: DeepSpeed's WarmupLR) on a *development* seed: the plan's data.seed and
-data.eval_seed plus --dev_seed_offset, so neither the training documents nor the evaluation cases are the
-final study's (case IDs carry their seed: the final evaluation never sees a development case). It runs as
+scheduler, "constant" holds the rate after the same warm-up: DeepSpeed's WarmupLR) on a *development* seed:
+the plan's data.seed and data.eval_seed plus --dev_seed_offset, so neither the training documents nor the
+evaluation cases are the final study's (case IDs carry their seed: the final evaluation never sees a development case). It runs as
 a one-arm exploratory study (python -m nshard.study --exploratory), which scores the seed model and the arm
 on the development cases and retention documents. The seed's scores are made once and reused.
 
@@ -171,7 +171,8 @@ def main(argv=None) -> int:
             f"{plan.screens.max_retention_upper_nats} nats; ties to the lower rate, then the schedule listed first "
             f"({', '.join(args.schedules)})")
     body = {"at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "plan": args.plan,
-            "ds_config": args.ds_config, "schedules": args.schedules, "dev_seed_offset": args.dev_seed_offset, "rule": rule, "points": [],
+            "ds_config": args.ds_config, "schedules": args.schedules, "dev_seed_offset": args.dev_seed_offset,
+            "rule": rule, "points": [],
             "chosen": None}
     for updates in args.updates:
         seed_eval = None  # the seed's scores are reused for points of one update count (one prepared identity)

@@ -117,9 +117,13 @@ def test_ds_configs_that_would_close_the_gap_are_refused(change, message):
         reducer_config(config)
 
 
-def _ring(rank, world, bits, dtype):
+def _ring(rank, world, bits, dtype, exchange="ring"):
     import torch.distributed as dist
 
+    from nshard.comm.delta import exchange_batched
+    from nshard.comm.ring import open_second_lane
+
+    open_second_lane()  # a two-rank ring sends each direction on its own connection (nshard/comm/ring.py)
     codec = DeltaCodec(bits=bits, block=64)
     size = 5_000
     g = torch.Generator().manual_seed(1)
@@ -128,7 +132,7 @@ def _ring(rank, world, bits, dtype):
     # Each owner's master: its replica plus a step of its own.
     master = replicas[rank].float() + 5e-2 * torch.randn(size, generator=torch.Generator().manual_seed(10 + rank))
     before = max_gap(master, replicas[rank])
-    sent = delta_sync_(codec, master, replicas, group=None)
+    sent = delta_sync_(codec, master, replicas, group=None, exchange=exchange_batched if exchange == "batched" else None)
     dist.barrier()
     return {"replicas": replicas_flat.clone(), "sent": sent, "gap_before": before,
             "gap_after": max_gap(master, replicas[rank])}
@@ -141,6 +145,17 @@ def test_two_ranks_end_with_bit_identical_replicas_and_send_the_encoded_bytes(dt
     assert all(r["sent"] == DeltaCodec(bits=4, block=64).encoded_bytes(5_000) for r in results)
     for r in results:  # each owner's replica moved toward its master (4 bits: the gap shrinks several-fold)
         assert 0 < r["gap_after"] < r["gap_before"] / 4
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_batched_exchange_nccl_takes_lands_the_same_bits_as_the_gloo_ring(world):
+    """exchange_batched (batch_isend_irecv, what NCCL runs) here on gloo, against the isend/irecv ring: two ranks
+    on their two connections, three on one group. The same replicas on every rank, either way."""
+    ring = run_ranks(_ring, world, args=(4, torch.float32))
+    batched = run_ranks(_ring, world, args=(4, torch.float32, "batched"))
+    for a, b in zip(ring, batched):
+        assert torch.equal(a["replicas"], b["replicas"]) and a["sent"] == b["sent"] > 0
+    assert all(torch.equal(ring[0]["replicas"], r["replicas"]) for r in ring)
 
 
 # ---------------------------------------------------------------- real DeepSpeed runs
@@ -174,6 +189,7 @@ def test_a_delta_synced_run_keeps_replicas_identical_and_exports_the_masters(run
         assert calls["delta"]["calls"] >= 3 and calls["ring"]["calls"] == calls["deepspeed"]["calls"] == 0, calls
         assert calls["delta"]["bytes_sent"] == sum(r["update_parameter_bytes"])
         assert r["parameter_all_gather"]["delta_codec"] == {"bits": 4, "block": 256}
+        assert r["parameter_all_gather"]["ring_connections"] == "one per direction"  # two gloo ranks: two lanes
         assert len(r["update_delta_gap"]) == 3 and all(0 < g < 1e-2 for g in r["update_delta_gap"])
     manifest = json.loads((out / "model" / "manifest.json").read_text())
     assert manifest["weights"]["holds"].startswith("the fp32 masters")

@@ -103,11 +103,24 @@ def test_recipe_sweep_runs_two_points_on_the_tiny_plan_and_keeps_every_attempt(t
 def test_bench_pooled_runs_two_arms_of_the_tiny_plan_over_a_shaped_link(tmp_path):
     out = tmp_path / "bench_pooled"
     proc = script("launch.bench_pooled", "--plan", "launch/plans/tiny.toml", "--updates", "2", "--rank", "4",
-                  "--link", "100mbit", "--arms", "s2-powersgd,s2-powersgd-delta4", "--out", str(out))
+                  "--link", "100mbit", "--arms", "s2-powersgd@one,s2-powersgd-delta4", "--out", str(out))
     rows = {r["arm"]: r for r in json.loads((out / "bench_pooled.json").read_text())["arms"]}
     assert all(r["ranks_agree"] for r in rows.values())
-    dense, delta = rows["s2-powersgd"], rows["s2-powersgd-delta4"]
+    dense, delta = rows["s2-powersgd@one"], rows["s2-powersgd-delta4"]
+    # "@one" reached both remote ranks through the launcher: their rings shared one connection per pair.
+    assert dense["ring_connections"] == ["one per pair of ranks"] and delta["ring_connections"] == ["one per direction"]
     assert delta["grad_bytes_per_update"] == dense["grad_bytes_per_update"]
     assert 0 < delta["parameter_bytes_per_update"] < dense["parameter_bytes_per_update"] / 6  # fp32 vs 4 bits + scales
     assert delta["delta_gap_max"] > 0 and dense["delta_gap_max"] is None
     assert "| s2-powersgd-delta4 |" in proc.stdout
+
+
+@root_only
+def test_bench_duplex_times_each_way_of_a_ring_step_over_a_shaped_link(tmp_path):
+    out = tmp_path / "bench_duplex"
+    proc = script("launch.bench_duplex", "--link", "1gbit", "--mib", "1", "--repeats", "2", "--idle_s", "0",
+                  "--out", str(out))
+    body = json.loads((out / "bench_duplex.json").read_text())
+    assert set(body["seconds"]) == {"one", "two", "all_reduce"}
+    assert all(len(t) == 2 and all(s > 0 for s in t) for t in body["seconds"].values())
+    assert "| two |" in proc.stdout and "mean vs two" in proc.stdout

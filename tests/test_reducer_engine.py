@@ -179,7 +179,8 @@ def test_private_deepspeed_attributes_are_where_nshard_expects_them():
 # updated weights instead of the isend/irecv ring, and DeepSpeed's own backward and gradient hooks (HandOver)
 # instead of the partition writer. A run and its reference twin are compared in the same test run, so the
 # claim holds on whatever CPU the suite runs on (a root pinned as a constant holds only where it was recorded).
-REFERENCE_PATHS = {"NSHARD_ADAMW_CHUNK": "0", "NSHARD_PARAMETER_GATHER": "deepspeed", "NSHARD_ZERO_INGEST": "hooks"}
+REFERENCE_PATHS = {"NSHARD_ADAMW_CHUNK": "0", "NSHARD_PARAMETER_GATHER": "deepspeed", "NSHARD_ZERO_INGEST": "hooks",
+                   "NSHARD_RING_LANES": "one"}
 RING = "isend/irecv ring into the flat weights"
 
 
@@ -205,6 +206,8 @@ def test_zero2_powersgd_with_accumulation_equals_its_reference_paths(runs_root, 
     assert {r["parameter_all_gather"]["call"] for r in receipts(reference)} == {"deepspeed all_gather_dp_groups"}
     assert {r["parameter_all_gather"]["calls"]["ring"]["calls"] for r in receipts(reference)} == {0}
     assert {r["parameter_all_gather"]["calls"]["deepspeed"]["calls"] for r in receipts(reference)} == {3}
+    assert {r["parameter_all_gather"]["ring_connections"] for r in receipts(fast)} == {"one per direction"}
+    assert {r["parameter_all_gather"]["ring_connections"] for r in receipts(reference)} == {"one per pair of ranks"}
     assert root(fast) == root(reference)
     zero1 = cached_run(runs_root, "psgd-r4-z1" + suffix, tiny_config(stage=1, nshard=psgd(rank=4), bf16=bf16))
     assert root(zero1) == root(fast)

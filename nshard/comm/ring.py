@@ -51,6 +51,11 @@ def open_second_lane(group=None) -> bool:
     return True
 
 
+def lanes_opened() -> int:
+    """How many groups of this process send their two-rank rings one direction per connection."""
+    return len(_SECOND_LANE)
+
+
 def ring_step(outgoing: torch.Tensor, incoming: torch.Tensor, group=None, isend: Callable = dist.isend,
               irecv: Callable = dist.irecv) -> None:
     """Send `outgoing` to this rank's right neighbour in `group` while receiving `incoming` from its left one,

@@ -179,7 +179,10 @@ def parameter_all_gather(engine) -> dict | None:
         return None
     ran = [path for path, counts in GATHER_CALLS.items() if counts["calls"]]
     call = " and ".join(GATHER_PATHS[p] for p in ran) if ran else "none counted"
-    body = {"call": call, "calls": {p: dict(c) for p, c in GATHER_CALLS.items()}}
+    from nshard.comm.ring import lanes_opened
+
+    body = {"call": call, "calls": {p: dict(c) for p, c in GATHER_CALLS.items()},
+            "ring_connections": "one per direction" if lanes_opened() else "one per pair of ranks"}
     if "ring" in ran:
         body["log_name"] = PARAMETER_GATHER_LOG_NAME
     if "delta" in ran:
