@@ -1,7 +1,7 @@
 """Choose the CPU study's recipe on development data, the way the reference chose its own: a one-time step.
 
     .venv/bin/python -m launch.recipe_sweep [--plan launch/plans/cpu-study.toml] [--lrs 1e-4 2e-4 4e-4]
-        [--updates 16] [--schedules decay] [--dev_seed_offset 200] [--out runs/recipe-sweep]
+        [--updates 16] [--schedules decay] [--global_batch_docs N] [--dev_seed_offset 200] [--out runs/recipe-sweep]
         [--record launch/recipe/cpu-sweep]
 
 Each point trains the one-rank dense arm of PLAN with one learning rate (ds_configs/dense.json with the
@@ -37,12 +37,13 @@ REPO = Path(__file__).resolve().parent.parent
 SCHEDULES = ("decay", "constant")
 
 
-def point_name(lr: float, updates: int, schedule: str) -> str:
-    return f"lr{lr:g}-u{updates}" + ("" if schedule == "decay" else f"-{schedule}")
+def point_name(lr: float, updates: int, schedule: str, global_batch: int | None = None) -> str:
+    return (f"lr{lr:g}-u{updates}" + ("" if schedule == "decay" else f"-{schedule}")
+            + ("" if global_batch is None else f"-b{global_batch}"))
 
 
 def point_plan(base_text: str, study, lr: float, updates: int, offset: int, ds_config: Path,
-               schedule: str = "decay") -> str:
+               schedule: str = "decay", global_batch: int | None = None) -> str:
     """The plan text of one point: development seeds, the update count, and a [study] of one arm (one rank,
     dense, this lr) scored as the plan scores. The plan's own [study] (which must come last) is replaced."""
     text = base_text.split("\n[study]", 1)[0]
@@ -54,8 +55,12 @@ def point_plan(base_text: str, study, lr: float, updates: int, offset: int, ds_c
         block = re.sub(rf"(?m)^({key} = )(\d+)", lambda m: f"{m[1]}{int(m[2]) + offset}", block, count=1)
     text = text[:data.start()] + block + text[data.end():]
     text = re.sub(r"(?m)^updates = \d+", f"updates = {updates}", text, count=1)
-    text = re.sub(r'(?m)^name = "(.*)"', lambda m: f'name = "{m[1]}-dev-{point_name(lr, updates, schedule)}"', text,
-                  count=1)
+    if global_batch is not None:
+        text, n = re.subn(r"(?m)^global_batch_docs = \d+", f"global_batch_docs = {global_batch}", text, count=1)
+        if n != 1:
+            raise SystemExit("recipe_sweep: error: --global_batch_docs needs a 'global_batch_docs = N' line in the plan")
+    name = point_name(lr, updates, schedule, global_batch)
+    text = re.sub(r'(?m)^name = "(.*)"', lambda m: f'name = "{m[1]}-dev-{name}"', text, count=1)
     return (text.rstrip() + f'\n\n[study]\ncandidate = "one-rank"\nspeed_baseline = "one-rank"\n'
             f"eval_max_new_tokens = {study.eval_max_new_tokens}\neval_batch_size = {study.eval_batch_size}\n"
             f'\n[[study.arms]]\nname = "one-rank"\nranks = 1\nds_config = "{ds_config}"\n')
@@ -78,7 +83,7 @@ def point_ds_config(base: dict, lr: float, schedule: str = "decay") -> dict:
 
 def run_point(lr: float, updates: int, args, plan, base_text: str, seed_eval: Path | None,
               schedule: str = "decay") -> dict:
-    name = point_name(lr, updates, schedule)
+    name = point_name(lr, updates, schedule, args.global_batch_docs)
     folder = Path(args.out) / name
     folder.mkdir(parents=True, exist_ok=True)
     ds_config = folder / "ds_config.json"
@@ -86,7 +91,7 @@ def run_point(lr: float, updates: int, args, plan, base_text: str, seed_eval: Pa
                                     indent=1))
     plan_path = folder / "plan.toml"
     plan_path.write_text(point_plan(base_text, plan.study, lr, updates, args.dev_seed_offset, ds_config.resolve(),
-                                    schedule))
+                                    schedule, args.global_batch_docs))
     study = folder / "study"
     if seed_eval is not None and not (study / "eval" / "seed").exists():  # the seed scored once, on the same cases
         shutil.copytree(seed_eval, study / "eval" / "seed")
@@ -95,7 +100,8 @@ def run_point(lr: float, updates: int, args, plan, base_text: str, seed_eval: Pa
     t0 = time.perf_counter()
     with (folder / "log.txt").open("w") as log:
         rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
-    point = {"point": name, "lr": lr, "updates": updates, "schedule": schedule, "command": " ".join(cmd), "rc": rc,
+    point = {"point": name, "lr": lr, "updates": updates, "schedule": schedule,
+             "global_batch_docs": args.global_batch_docs, "command": " ".join(cmd), "rc": rc,
              "wall_s": round(time.perf_counter() - t0, 1), "log": str(folder / "log.txt")}
     results = study / "results.json"
     if not results.is_file():
@@ -157,6 +163,7 @@ def main(argv=None) -> int:
     parser.add_argument("--updates", type=int, nargs="+", default=[16])
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=["decay"],
                         help="decay: the ds_config's scheduler; constant: the same warm-up, then WarmupLR's held rate")
+    parser.add_argument("--global_batch_docs", type=int, help="documents per update for every point (default: the plan's)")
     parser.add_argument("--dev_seed_offset", type=int, default=200)
     parser.add_argument("--out", default="runs/recipe-sweep")
     parser.add_argument("--record", default="launch/recipe/cpu-sweep", help="RECORD.json and RECORD.md are written")
