@@ -61,3 +61,15 @@ def run_ranks(fn, world_size: int = 2, args: tuple = (), timeout_s: float = 120.
             if p.is_alive():
                 p.kill()
     return [by_rank[r] for r in range(world_size)]
+
+
+def require(present: bool, what: str) -> None:
+    """Skip a test whose machine lacks `what` (a tool, cores); in CI (CI set), where launch/setup.sh installs
+    everything the suite uses, fail instead: a skip there would hide a missing part."""
+    import pytest
+
+    if present:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{what}: CI must provide it (launch/setup.sh installs the tools the suite uses)")
+    pytest.skip(what)

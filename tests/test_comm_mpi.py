@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 
-import pytest
+from spawn import require
 
 UPDATES = 4
 CONFIG = {"reducer": "powersgd", "rank": 2, "dense_warmup_updates": 1, "min_compression_rate": 1, "seed": 3}
@@ -62,8 +62,7 @@ def main() -> None:
 
 
 def test_mpi_and_torch_transports_agree():
-    if shutil.which("mpirun") is None:
-        pytest.skip("mpirun not on PATH (apt-get install -y openmpi-bin libopenmpi-dev)")
+    require(shutil.which("mpirun") is not None, "mpirun not on PATH (apt-get install -y openmpi-bin libopenmpi-dev)")
     from spawn import free_port
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

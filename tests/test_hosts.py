@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from runs import DEEPSPEED, REPO, receipts, run_env, tiny_config
-from spawn import free_port
+from spawn import free_port, require
 
 HOSTS_SH = REPO / "launch" / "hosts.sh"
 NAMESPACES = {"198.51.100.1": "nshard-h1", "198.51.100.2": "nshard-h2"}
@@ -184,8 +184,7 @@ def test_each_host_gets_its_own_core_and_everything_it_starts_inherits_it(user_s
     groups."""
     assert not what_is_left(), "another emulated pair is up: run launch/hosts.sh down"
     cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        pytest.skip("needs two cores")
+    require(len(cores) >= 2, "needs two cores")
     up = hosts_sh("up", "none", "1")
     try:
         assert up.returncode == 0, up.stderr
@@ -261,8 +260,7 @@ def test_without_root_an_emulated_placement_runs_locally_and_says_the_speed_scre
     import shutil
     import sys
 
-    if shutil.which("setpriv") is None:
-        pytest.skip("no setpriv")
+    require(shutil.which("setpriv") is not None, "no setpriv")
     plan = (REPO / "launch/plans/tiny.toml").read_text() + '\n[study]\nplacement = "emulated"\nlink = "1gbit"\n'
     # The plan goes in on stdin: the unprivileged process cannot read root's pytest directories.
     code = ("import json, pathlib, shutil, sys, tempfile; from nshard.run.plan import load_plan; "

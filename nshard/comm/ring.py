@@ -56,13 +56,20 @@ def lanes_opened() -> int:
     return len(_SECOND_LANE)
 
 
+def neighbours(group=None) -> tuple[int, int]:
+    """This rank's right and left neighbours in `group`'s ring, as global ranks."""
+    n, me = dist.get_world_size(group=group), dist.get_rank(group=group)
+    if group is None:
+        return (me + 1) % n, (me - 1) % n
+    return dist.get_global_rank(group, (me + 1) % n), dist.get_global_rank(group, (me - 1) % n)
+
+
 def ring_step(outgoing: torch.Tensor, incoming: torch.Tensor, group=None, isend: Callable = dist.isend,
               irecv: Callable = dist.irecv) -> None:
     """Send `outgoing` to this rank's right neighbour in `group` while receiving `incoming` from its left one,
     and wait for both. isend/irecv take (tensor, peer global rank, group)."""
-    n, me = dist.get_world_size(group=group), dist.get_rank(group=group)
-    right = dist.get_global_rank(group, (me + 1) % n) if group is not None else (me + 1) % n
-    left = dist.get_global_rank(group, (me - 1) % n) if group is not None else (me - 1) % n
+    me = dist.get_rank(group=group)
+    right, left = neighbours(group)
     send_on = receive_on = group
     lane = _SECOND_LANE.get(group)
     if lane is not None:  # two ranks: the connection on `group` carries 0 -> 1 only, the lane's 1 -> 0 only
