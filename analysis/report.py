@@ -144,8 +144,11 @@ def retention_block(changes: list[float], confidence: float) -> dict | None:
 # ---------------------------------------------------------------- execution
 
 
-def execution_block(run_dir: Path, ranks: int, usd_per_gb: float) -> dict:
-    """Receipts of one arm: slowest-rank times, ranks x complete-process seconds, bytes and their price."""
+def execution_block(run_dir: Path, ranks: int, usd_per_gb: float, launch: dict | None = None) -> dict:
+    """Receipts of one arm: slowest-rank times, ranks x complete-process seconds, bytes and their price; with the
+    study's record of its launch (`launch`: launcher_started_at/ended_at), the launch before the first rank process
+    and the teardown after the last receipt."""
+    launch = launch or {}
     receipts = [read_json(p) for p in sorted((run_dir / "receipts").glob("rank-*.json"))]
     if len(receipts) != ranks:
         raise StudyError(f"{run_dir}/receipts holds {len(receipts)} receipts for {ranks} ranks")
@@ -162,7 +165,16 @@ def execution_block(run_dir: Path, ranks: int, usd_per_gb: float) -> dict:
                   for u in range(len(receipts[0]["update_grad_bytes"]))]
     # On real or emulated hosts the receipts also carry the kernel's count of what crossed the link.
     kernel = [(r.get("link") or {}).get("kernel_tx_bytes") for r in receipts]
+    startups = [r["startup"] for r in receipts if r.get("startup")]
+    starts = [r["process_start_at"] for r in receipts if "process_start_at" in r]
+    ends = [r["process_start_at"] + r["process_s"] for r in receipts if "process_start_at" in r]
+    began, ended = launch.get("launcher_started_at"), launch.get("launcher_ended_at")
     return {"device": "GPU" if gpu else "CPU", "ranks": ranks,
+            "precision": receipts[0].get("precision"),
+            "startup_s": max((u["s"] for u in startups), default=None),
+            "one_time_work": sorted({w for u in startups for w in u["one_time_work"]}) if startups else None,
+            "launch_s": min(starts) - began if starts and began is not None else None,
+            "teardown_s": ended - max(ends) if ends and ended is not None else None,
             "kernel_tx_bytes": sum(kernel) if ranks > 1 and None not in kernel else None,
             "max_active_s": max(r["active_s"] for r in receipts),
             "max_active_plus_checkpoint_s": max(r["active_plus_checkpoint_s"] for r in receipts),
@@ -347,7 +359,7 @@ def analyze(study_dir: Path) -> dict:
                        model_files=read_json(eval_dir / "summary.json")["model_files"],
                        retention=retention_block(retention_changes(eval_dir / "retention.jsonl", read_jsonl(
                            eval_dir / "retention.jsonl"), seed_retention), conf),
-                       execution=execution_block(run_dir, spec["ranks"], screens["network_usd_per_gb"]),
+                       execution=execution_block(run_dir, spec["ranks"], screens["network_usd_per_gb"], spec),
                        metrics=read_jsonl(run_dir / "metrics.jsonl"))
         else:
             arm.update(parameter_root=None, accuracy=None, per_family=None)
@@ -391,7 +403,7 @@ def analyze(study_dir: Path) -> dict:
         "prepared_identity": identity,
         "plan_sha256": study["plan_sha256"], "candidate": study["candidate"],
         "speed_baseline": study["speed_baseline"], "screens_declared": screens,
-        "validation": study.get("validation"), "placement": study.get("placement"),
+        "validation": study.get("validation"), "placement": study.get("placement"), "warm_up": study.get("warm_up"),
         "seed": seed, "arms": arms, "comparisons": comparisons, "provenance": provenance,
         "screens": {"quality": {**quality, "evidence": evidence}, "speed": {**speed, "evidence": evidence}},
     }
@@ -435,9 +447,17 @@ def execution_table(results: dict) -> str:
     device = next((e["device"] for e in ex if e), "CPU")
     rows = [
         ("Ranks", lambda a, e: str(a["ranks"])),
+        ("Compute (masters, moments, error memory)", lambda a, e: "—" if not e.get("precision") else
+         f"{e['precision']['compute']} ({e['precision']['masters']})"),
         ("Maximum rank active time", lambda a, e: _num(e and e["max_active_s"], "{:,.2f} s")),
         ("Active time plus final checkpoint", lambda a, e: _num(e and e["max_active_plus_checkpoint_s"], "{:,.2f} s")),
         ("Complete process group", lambda a, e: _num(e and e["complete_process_s"], "{:,.2f} s")),
+        ("Start-up: process start to first update (slowest rank)",
+         lambda a, e: _num(e.get("startup_s"), "{:,.2f} s")),
+        ("Launch before the first rank process", lambda a, e: _num(e.get("launch_s"), "{:,.2f} s")),
+        ("Teardown after the last receipt", lambda a, e: _num(e.get("teardown_s"), "{:,.2f} s")),
+        ("One-time work inside the arm", lambda a, e: "—" if e.get("one_time_work") is None
+         else "; ".join(e["one_time_work"]) or "none"),
         (f"Allocated {device} seconds, complete process", lambda a, e: _num(e and e["device_seconds"], "{:,.2f}")),
         ("All ranks, bytes handed to collectives, GB", lambda a, e: _num(e and e["sent_bytes"] / 1e9, "{:,.6f}")),
         ("All hosts, kernel-counted transmitted GB",
@@ -506,6 +526,14 @@ def render_report(results: dict) -> str:
         lines += [f"The arms' times cannot be compared as the reference's were: {s.get('why')}. The ratios below "
                   "are as measured.", ""]
     lines += [*screen_lines(s), ""]
+    precisions = {a["execution"]["precision"]["why"] for a in results["arms"]
+                  if a.get("execution") and a["execution"].get("precision")}
+    for why in sorted(precisions):
+        lines.append(f"- precision: {why}")
+    if warm := results.get("warm_up"):
+        lines.append(f"- before the first arm, a {warm['ranks']}-rank warm-up launch of one update ran on the hosts "
+                     f"({warm['wall_s']:.0f} s, not counted in any arm): "
+                     + ("; ".join(warm["one_time_work"]) if warm["one_time_work"] else "no one-time work was left"))
     for name, sp in s["speedups"].items():
         lines.append(f"- {name}: complete-process speedup {sp['complete_process']:.3f}×, active {sp['active']:.3f}×, "
                      f"{sp['device_seconds_ratio']:.3f}× the baseline's device seconds")

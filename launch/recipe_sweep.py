@@ -1,8 +1,8 @@
 """Choose the CPU study's recipe on development data, the way the reference chose its own: a one-time step.
 
     .venv/bin/python -m launch.recipe_sweep [--plan launch/plans/cpu-study.toml] [--lrs 1e-4 2e-4 4e-4]
-        [--updates 16] [--schedules decay] [--global_batch_docs N] [--dev_seed_offset 200] [--out runs/recipe-sweep]
-        [--record launch/recipe/cpu-sweep]
+        [--updates 16] [--schedules decay] [--global_batch_docs N] [--cases_per_family N ...] [--dev_seed_offset 200]
+        [--confirm_offset M] [--out runs/recipe-sweep] [--record launch/recipe/cpu-sweep]
 
 Each point trains the one-rank dense arm of PLAN with one learning rate (ds_configs/dense.json with the
 optimizer's lr and the scheduler's warmup_max_lr set to it; --schedules "decay" keeps the ds_config's
@@ -13,8 +13,12 @@ a one-arm exploratory study (python -m nshard.study --exploratory), which scores
 on the development cases and retention documents. The seed's scores are made once and reused.
 
 The rule, fixed before the first point ran: among the points whose retention-change upper bound is below
-the plan's screen, the highest accuracy gain over the seed; a tie goes to the lower rate, then to the
-schedule listed first. Every attempt,
+the plan's screen, the highest accuracy gain over the seed; a tie goes to the point that trained fewer tokens
+(the cheaper one), then to the lower rate, then to the schedule listed first. --confirm_offset then trains the
+chosen point once more on a second development seed, recorded beside it (a recipe that passes on one data
+seed only is not frozen). Points can vary the amount of distinct training data (--cases_per_family, one point
+each; --global_batch_docs; --updates), and each records its sequence budget: the tokens it trained on and how
+many distinct documents they came from. Every attempt,
 failed ones included, goes into RECORD.json and RECORD.md (kept in the repository as evidence), with the
 command, exit status and each point's figures.
 """
@@ -37,13 +41,21 @@ REPO = Path(__file__).resolve().parent.parent
 SCHEDULES = ("decay", "constant")
 
 
-def point_name(lr: float, updates: int, schedule: str, global_batch: int | None = None) -> str:
+def point_name(lr: float, updates: int, schedule: str, global_batch: int | None = None,
+               cases: int | None = None) -> str:
     return (f"lr{lr:g}-u{updates}" + ("" if schedule == "decay" else f"-{schedule}")
-            + ("" if global_batch is None else f"-b{global_batch}"))
+            + ("" if global_batch is None else f"-b{global_batch}") + ("" if cases is None else f"-c{cases}"))
+
+
+def _set_key(text: str, key: str, value: int, flag: str) -> str:
+    text, n = re.subn(rf"(?m)^{key} = \d+", f"{key} = {value}", text, count=1)
+    if n != 1:
+        raise SystemExit(f"recipe_sweep: error: {flag} needs a '{key} = N' line in the plan")
+    return text
 
 
 def point_plan(base_text: str, study, lr: float, updates: int, offset: int, ds_config: Path,
-               schedule: str = "decay", global_batch: int | None = None) -> str:
+               schedule: str = "decay", global_batch: int | None = None, cases: int | None = None) -> str:
     """The plan text of one point: development seeds, the update count, and a [study] of one arm (one rank,
     dense, this lr) scored as the plan scores. The plan's own [study] (which must come last) is replaced."""
     text = base_text.split("\n[study]", 1)[0]
@@ -56,10 +68,10 @@ def point_plan(base_text: str, study, lr: float, updates: int, offset: int, ds_c
     text = text[:data.start()] + block + text[data.end():]
     text = re.sub(r"(?m)^updates = \d+", f"updates = {updates}", text, count=1)
     if global_batch is not None:
-        text, n = re.subn(r"(?m)^global_batch_docs = \d+", f"global_batch_docs = {global_batch}", text, count=1)
-        if n != 1:
-            raise SystemExit("recipe_sweep: error: --global_batch_docs needs a 'global_batch_docs = N' line in the plan")
-    name = point_name(lr, updates, schedule, global_batch)
+        text = _set_key(text, "global_batch_docs", global_batch, "--global_batch_docs")
+    if cases is not None:
+        text = _set_key(text, "train_cases_per_family", cases, "--cases_per_family")
+    name = point_name(lr, updates, schedule, global_batch, cases)
     text = re.sub(r'(?m)^name = "(.*)"', lambda m: f'name = "{m[1]}-dev-{name}"', text, count=1)
     return (text.rstrip() + f'\n\n[study]\ncandidate = "one-rank"\nspeed_baseline = "one-rank"\n'
             f"eval_max_new_tokens = {study.eval_max_new_tokens}\neval_batch_size = {study.eval_batch_size}\n"
@@ -82,16 +94,17 @@ def point_ds_config(base: dict, lr: float, schedule: str = "decay") -> dict:
 
 
 def run_point(lr: float, updates: int, args, plan, base_text: str, seed_eval: Path | None,
-              schedule: str = "decay") -> dict:
-    name = point_name(lr, updates, schedule, args.global_batch_docs)
-    folder = Path(args.out) / name
+              schedule: str = "decay", cases: int | None = None, offset: int | None = None) -> dict:
+    offset = args.dev_seed_offset if offset is None else offset
+    name = point_name(lr, updates, schedule, args.global_batch_docs, cases)
+    folder = Path(args.out) / f"dev{offset}" / name
     folder.mkdir(parents=True, exist_ok=True)
     ds_config = folder / "ds_config.json"
     ds_config.write_text(json.dumps(point_ds_config(json.loads((REPO / args.ds_config).read_text()), lr, schedule),
                                     indent=1))
     plan_path = folder / "plan.toml"
-    plan_path.write_text(point_plan(base_text, plan.study, lr, updates, args.dev_seed_offset, ds_config.resolve(),
-                                    schedule, args.global_batch_docs))
+    plan_path.write_text(point_plan(base_text, plan.study, lr, updates, offset, ds_config.resolve(),
+                                    schedule, args.global_batch_docs, cases))
     study = folder / "study"
     if seed_eval is not None and not (study / "eval" / "seed").exists():  # the seed scored once, on the same cases
         shutil.copytree(seed_eval, study / "eval" / "seed")
@@ -100,8 +113,8 @@ def run_point(lr: float, updates: int, args, plan, base_text: str, seed_eval: Pa
     t0 = time.perf_counter()
     with (folder / "log.txt").open("w") as log:
         rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
-    point = {"point": name, "lr": lr, "updates": updates, "schedule": schedule,
-             "global_batch_docs": args.global_batch_docs, "command": " ".join(cmd), "rc": rc,
+    point = {"point": name, "lr": lr, "updates": updates, "schedule": schedule, "dev_seed_offset": offset,
+             "global_batch_docs": args.global_batch_docs, "train_cases_per_family": cases, "command": " ".join(cmd), "rc": rc,
              "wall_s": round(time.perf_counter() - t0, 1), "log": str(folder / "log.txt")}
     results = study / "results.json"
     if not results.is_file():
@@ -116,7 +129,25 @@ def run_point(lr: float, updates: int, args, plan, base_text: str, seed_eval: Pa
             "cases": arm["cases"], "gain_points": gain["value"], "retention_upper_nats": retention.get("upper_nats"),
             "retention_mean_nats": retention.get("mean_change_nats"),
             "per_family": {f: b["correct"] for f, b in arm["per_family"].items()},
-            "active_s": arm["execution"]["max_active_s"], "results_sha256": _sha256(results)}
+            "active_s": arm["execution"]["max_active_s"], "train_tokens": train_tokens(study / "arms" / "one-rank"),
+            "precision": _precision(study / "arms" / "one-rank"), "results_sha256": _sha256(results)}
+
+
+def train_tokens(run_dir: Path) -> dict:
+    """The point's sequence budget, from the files it trained on: tokens (and response tokens) over all updates,
+    and how many distinct documents it saw."""
+    docs = [json.loads(line) for line in (run_dir / "prepared" / "documents.jsonl").read_text().splitlines() if line]
+    schedule = json.loads((run_dir / "prepared" / "schedule.json").read_text())
+    batches = schedule["updates"] if isinstance(schedule, dict) else schedule
+    seen = [i for batch in batches for i in batch]
+    return {"tokens": sum(len(docs[i]["input_ids"]) for i in seen),
+            "response_tokens": sum(sum(1 for w in docs[i]["weights"] if w) for i in seen),
+            "distinct_documents": len(set(seen)), "documents": len(docs)}
+
+
+def _precision(run_dir: Path) -> str | None:
+    receipt = json.loads((run_dir / "receipts" / "rank-0.json").read_text())
+    return (receipt.get("precision") or {}).get("compute")
 
 
 def _sha256(path: Path) -> str:
@@ -130,7 +161,8 @@ def choose(points: list[dict], max_retention: float, schedules=SCHEDULES) -> dic
     ok = [p for p in points if p["status"] == "complete" and p["retention_upper_nats"] is not None
           and p["retention_upper_nats"] < max_retention]
     order = list(schedules)
-    return max(ok, key=lambda p: (p["gain_points"], -p["lr"], -order.index(p.get("schedule", "decay"))), default=None)
+    return max(ok, key=lambda p: (p["gain_points"], -(p.get("train_tokens") or {}).get("tokens", 0), -p["lr"],
+                                  -order.index(p.get("schedule", "decay"))), default=None)
 
 
 def write_record(record: Path, body: dict) -> None:
@@ -140,16 +172,26 @@ def write_record(record: Path, body: dict) -> None:
     tmp.replace(record.with_suffix(".json"))
     lines = [f"# CPU recipe sweep ({body['at']})", "", f"Base plan `{body['plan']}`, development seeds +"
              f"{body['dev_seed_offset']}, rule: {body['rule']}", "",
-             "| point | status | seed correct | correct / cases | gain, points | retention upper, nats | active s |",
-             "|---|---|---|---|---|---|---|"]
+             "| point | status | seed correct | correct / cases | gain, points | retention upper, nats | active s "
+             "| trained tokens (distinct docs) | precision |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for p in body["points"]:
         if p["status"] == "complete":
+            tokens = p.get("train_tokens") or {}
             lines.append(f"| {p['point']} | complete | {p['seed_correct']} | {p['correct']} / {p['cases']} | "
-                         f"{p['gain_points']:+.2f} | {p['retention_upper_nats']:+.5f} | {p['active_s']:.1f} |")
+                         f"{p['gain_points']:+.2f} | {p['retention_upper_nats']:+.5f} | {p['active_s']:.1f} | "
+                         f"{tokens.get('tokens', '')} ({tokens.get('distinct_documents', '')}) | "
+                         f"{p.get('precision') or ''} |")
         else:
-            lines.append(f"| {p['point']} | failed (exit {p['rc']}) | | | | | |")
+            lines.append(f"| {p['point']} | failed (exit {p['rc']}) | | | | | | | |")
     chosen = body["chosen"]
     lines += ["", f"Chosen: `{chosen['point']}`" if chosen else "Chosen: none passed the retention bound", ""]
+    confirm = body.get("confirmation")
+    if confirm:
+        lines += [f"Second development seed (+{confirm['dev_seed_offset']}): `{confirm['point']}` "
+                  + (f"{confirm['correct']} / {confirm['cases']}, gain {confirm['gain_points']:+.2f} points, retention "
+                     f"upper {confirm['retention_upper_nats']:+.5f} nats" if confirm["status"] == "complete"
+                     else f"failed (exit {confirm['rc']})"), ""]
     tmp = record.with_suffix(".md.tmp")
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(record.with_suffix(".md"))
@@ -164,6 +206,11 @@ def main(argv=None) -> int:
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=["decay"],
                         help="decay: the ds_config's scheduler; constant: the same warm-up, then WarmupLR's held rate")
     parser.add_argument("--global_batch_docs", type=int, help="documents per update for every point (default: the plan's)")
+    parser.add_argument("--cases_per_family", type=int, nargs="+",
+                        help="distinct training cases per family, one point each (default: the plan's)")
+    parser.add_argument("--confirm_offset", type=int,
+                        help="after choosing, train the chosen point again on this second development seed offset "
+                             "and record it (the recipe must pass on both)")
     parser.add_argument("--dev_seed_offset", type=int, default=200)
     parser.add_argument("--out", default="runs/recipe-sweep")
     parser.add_argument("--record", default="launch/recipe/cpu-sweep", help="RECORD.json and RECORD.md are written")
@@ -181,20 +228,36 @@ def main(argv=None) -> int:
             "ds_config": args.ds_config, "schedules": args.schedules, "dev_seed_offset": args.dev_seed_offset,
             "rule": rule, "points": [],
             "chosen": None}
+    if args.confirm_offset is not None and args.confirm_offset in (0, args.dev_seed_offset):
+        parser.error("--confirm_offset must be a second development offset: neither 0 nor --dev_seed_offset")
+    body["confirm_offset"] = args.confirm_offset
+    body["confirmation"] = None
+    seed_evals: dict = {}  # the seed's scores, reused across points of one prepared identity (all but the rate)
+
+    def one(lr, updates, schedule, cases, offset=None):
+        key = (offset, updates, cases)
+        point = run_point(lr, updates, args, plan, base_text, seed_evals.get(key), schedule, cases, offset)
+        if point["status"] == "complete" and key not in seed_evals:
+            seed_evals[key] = Path(point["log"]).parent / "study" / "eval" / "seed"
+        print(f"[sweep] {point['point']} (dev +{point['dev_seed_offset']}): {point['status']}"
+              + (f", gain {point['gain_points']:+.2f} points, retention upper {point['retention_upper_nats']:+.5f}"
+                 if point["status"] == "complete" else ""), flush=True)
+        return point
+
     for updates in args.updates:
-        seed_eval = None  # the seed's scores are reused for points of one update count (one prepared identity)
-        for lr, schedule in [(lr, schedule) for schedule in args.schedules for lr in args.lrs]:
-            point = run_point(lr, updates, args, plan, base_text, seed_eval, schedule)
-            body["points"].append(point)
-            if point["status"] == "complete" and seed_eval is None:
-                seed_eval = Path(args.out) / point["point"] / "study" / "eval" / "seed"
-            body["chosen"] = choose(body["points"], plan.screens.max_retention_upper_nats, args.schedules)
-            write_record(REPO / args.record, body)
-            print(f"[sweep] {point['point']}: {point['status']}"
-                  + (f", gain {point['gain_points']:+.2f} points, retention upper {point['retention_upper_nats']:+.5f}"
-                     if point["status"] == "complete" else ""), flush=True)
-    print(json.dumps({"chosen": body["chosen"] and body["chosen"]["point"], "record": args.record}))
-    return 0 if body["chosen"] else 1
+        for cases in args.cases_per_family or [None]:
+            for lr, schedule in [(lr, schedule) for schedule in args.schedules for lr in args.lrs]:
+                body["points"].append(one(lr, updates, schedule, cases))
+                body["chosen"] = choose(body["points"], plan.screens.max_retention_upper_nats, args.schedules)
+                write_record(REPO / args.record, body)
+    chosen = body["chosen"]
+    if chosen and args.confirm_offset is not None:
+        body["confirmation"] = one(chosen["lr"], chosen["updates"], chosen["schedule"],
+                                   chosen.get("train_cases_per_family"), args.confirm_offset)
+        write_record(REPO / args.record, body)
+    print(json.dumps({"chosen": chosen and chosen["point"], "record": args.record,
+                      "confirmation_gain": (body["confirmation"] or {}).get("gain_points")}))
+    return 0 if chosen else 1
 
 
 if __name__ == "__main__":

@@ -21,6 +21,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("NSHARD_CACHE") or Path.home() / ".cache" / "nshard")
 
 
+ONE_TIME_WORK: list[str] = []
+"""What this process filled a shared cache with (a model converted, replay answers generated, DeepSpeed's CPU
+collective compiled): work the first run on a machine pays and later runs skip. The receipts carry it, so a
+study can show that no timed arm paid for what the others reused."""
+
+
+def note_one_time_work(what: str) -> None:
+    ONE_TIME_WORK.append(what)
+
+
 def write_json_atomic(path: Path, obj) -> None:
     """Write JSON to a temp file beside `path`, then rename: readers see the old file or the new one."""
     path = Path(path)

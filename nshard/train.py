@@ -62,7 +62,11 @@ def main(argv=None) -> int:
     from nshard.comm import RanksDisagree
     from nshard.seam.engine import init_distributed
 
+    from nshard.run.receipts import mark
+
+    mark("imports and checks")
     init_distributed()
+    mark("process group")
     run = Run(plan, Path(args.plan), Path(args.ds_config), ds_config, out, dist.get_rank(), dist.get_world_size(),
               reducer, start, replay=not args.no_replay)
     try:

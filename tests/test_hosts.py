@@ -229,8 +229,11 @@ def test_a_study_with_emulated_placement_runs_each_arm_as_the_reference_did(user
                     + '\n[study]\ncandidate = "powersgd"\nspeed_baseline = "one-rank"\neval_max_new_tokens = 8\n'
                     + 'placement = "emulated"\nlink = "1gbit"\ncores_per_host = 1\n' + arms)
     out = tmp_path / "out"
+    # A cache of its own: the study fills it before the hosts come up (the tiny model), so an arm that still
+    # filled a cache would say so in its receipts.
     proc = subprocess.run([sys.executable, "-m", "nshard.study", "--plan", str(plan), "--out", str(out)], cwd=REPO,
-                          env=run_env(), capture_output=True, text=True, timeout=1200)
+                          env=run_env({"NSHARD_CACHE": str(tmp_path / "cache")}), capture_output=True, text=True,
+                          timeout=1200)
     assert_nothing_left()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     study = json.loads((out / "study.json").read_text())
@@ -252,6 +255,17 @@ def test_a_study_with_emulated_placement_runs_each_arm_as_the_reference_did(user
     report = (out / "report.md").read_text()
     assert "Placement: two emulated hosts on one machine, 1 core(s) each, link 1gbit." in report
     assert "emulated hosts down" in proc.stdout
+    # Issue 25: a warm-up launch across both hosts before the first arm, so no arm pays a one-time cost the
+    # others skip; every arm's start-up is in its receipts and the report.
+    assert study["warm_up"]["ranks"] == 2 and not (out / "warm-up").exists() and "hosts warmed up" in proc.stdout
+    for arm in ("one-rank", "dense", "powersgd"):
+        for r in receipts(out / "arms" / arm):
+            assert r["startup"]["one_time_work"] == [], (arm, r["startup"])
+            assert 0 < r["startup"]["s"] < r["process_s"] and r["process_start_at"] > 0
+        execution = next(a for a in results["arms"] if a["name"] == arm)["execution"]
+        assert execution["launch_s"] > 0 and execution["teardown_s"] > 0
+    assert "| One-time work inside the arm | none | none | none |" in report
+    assert "| Start-up: process start to first update (slowest rank) |" in report
 
 
 def test_without_root_an_emulated_placement_runs_locally_and_says_the_speed_screen_is_not_comparable(tmp_path):

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -163,3 +164,31 @@ def test_the_cohort_plan_loads_with_its_study_found_from_the_checkout():
     assert plan.data.families == ("cheapest", "acronym") and plan.cohort.from_study.endswith("runs/cpu-study")
     assert [(a.name, a.replay) for a in plan.study.arms] == [("powersgd", True), ("no-replay", False)]
     assert not load_plan(REPO / "launch/plans/tiny.toml").cohort.enabled
+
+
+def test_bf16_auto_resolves_on_this_machine_and_a_bad_value_names_the_key():
+    """"bf16": {"enabled": "auto"} (the CPU ds_configs) is bf16 where the machine has bf16 matrix units that torch
+    uses, fp32 elsewhere, and DeepSpeed is handed a bool; any other value is refused naming the key."""
+    from nshard.run.plan import load_plan
+    from nshard.seam.ds_config import (DsConfigError, bf16_units, complete_ds_config, load_ds_config, precision,
+                                       validate_ds_config)
+
+    config = load_ds_config(REPO / "ds_configs/cpu-powersgd.json")
+    assert config["bf16"] == {"enabled": "auto"}
+    units, why = bf16_units()
+    done = complete_ds_config(config, load_plan(REPO / "launch/plans/tiny.toml"), 2)
+    assert done["bf16"]["enabled"] is units
+    assert precision(config) == {"requested": "auto", "compute": "bfloat16" if units else "float32",
+                                 "masters": "float32", "why": why}
+    with pytest.raises(DsConfigError, match=r"bf16\.enabled='yes': use true, false or \"auto\""):
+        validate_ds_config({**config, "bf16": {"enabled": "yes"}})
+
+
+def test_bf16_auto_is_fp32_where_torch_runs_no_avx512_kernels():
+    """On a CPU without bf16 units (here: torch told to take its AVX2 kernels) "auto" trains in fp32, and says why."""
+    code = ("from nshard.seam.ds_config import bf16_units, precision; import json; "
+            "print(json.dumps([bf16_units(), precision({'bf16': {'enabled': 'auto'}})]))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"},
+                          capture_output=True, text=True, check=True)
+    (units, why), record = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert units is False and record["compute"] == "float32" and record["why"] == why

@@ -25,3 +25,27 @@ def test_threads_follow_the_affinity_not_the_machine():
     everything = os.sched_getaffinity(0)
     assert child_threads({min(everything)}) == (1, 1)
     assert child_threads(everything) == (len(everything), len(everything))
+
+
+def test_a_compiled_cpu_collective_is_noted_as_one_time_work(tmp_path, monkeypatch):
+    """The receipts' start-up names the one-time work a process did: DeepSpeed's CPU collective counts as compiled
+    when its shared object under torch's extension directory is new or newer after the block, and not otherwise."""
+    from nshard import files
+    from nshard.seam.engine import _noting_a_build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(files, "ONE_TIME_WORK", [])
+    built = tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so"
+    with _noting_a_build():
+        pass  # nothing there before or after
+    assert files.ONE_TIME_WORK == []
+    with _noting_a_build():
+        built.parent.mkdir(parents=True, exist_ok=True)
+        built.write_bytes(b"compiled")
+    with _noting_a_build():  # loaded as it was: not noted again
+        pass
+    assert files.ONE_TIME_WORK == [f"compiled DeepSpeed's CPU collective ({built})"]
+    before = built.stat().st_mtime_ns
+    with _noting_a_build():
+        os.utime(built, ns=(before + 10**9, before + 10**9))  # rebuilt in place
+    assert len(files.ONE_TIME_WORK) == 2

@@ -83,19 +83,29 @@ def test_capacity_searches_one_depth_on_the_tiny_model(tmp_path, monkeypatch, ca
 
 
 def test_recipe_sweep_runs_two_points_on_the_tiny_plan_and_keeps_every_attempt(tmp_path):
-    """Two learning rates, two updates each, on development seeds: a record of both points, the seed scored
-    once and reused, the choice made by the declared rule."""
+    """Two learning rates, two updates each, on development seeds with the distinct training data set per point,
+    then the chosen point again on a second development seed: a record of every run, the seed scored once per
+    prepared identity and reused, the choice made by the declared rule, each point's sequence budget."""
     record = tmp_path / "record" / "sweep"
     proc = script("launch.recipe_sweep", "--plan", "launch/plans/tiny.toml", "--lrs", "1e-3", "3e-3", "--updates", "2",
+                  "--cases_per_family", "3", "--confirm_offset", "201",
                   "--out", str(tmp_path / "sweep"), "--record", str(record), timeout=1200)
     body = json.loads(record.with_suffix(".json").read_text())
-    assert [p["point"] for p in body["points"]] == ["lr0.001-u2", "lr0.003-u2"]
+    assert [p["point"] for p in body["points"]] == ["lr0.001-u2-c3", "lr0.003-u2-c3"]
     assert all(p["status"] == "complete" and p["cases"] == 16 for p in body["points"])
-    plan = (tmp_path / "sweep" / "lr0.001-u2" / "plan.toml").read_text()
+    plan = (tmp_path / "sweep" / "dev200" / "lr0.001-u2-c3" / "plan.toml").read_text()
     assert "seed = 207" in plan and "eval_seed = 7207" in plan  # development data, never the final cases
+    assert "train_cases_per_family = 3" in plan
     assert "score seed: scored earlier under the same commitment; reused" in (
-        tmp_path / "sweep" / "lr0.003-u2" / "log.txt").read_text()
-    assert "| lr0.003-u2 | complete |" in record.with_suffix(".md").read_text()
+        tmp_path / "sweep" / "dev200" / "lr0.003-u2-c3" / "log.txt").read_text()
+    tokens = body["points"][0]["train_tokens"]
+    assert 0 < tokens["response_tokens"] < tokens["tokens"] and tokens["distinct_documents"] <= tokens["documents"]
+    confirm = body["confirmation"]
+    assert confirm["status"] == "complete" and confirm["dev_seed_offset"] == 201
+    assert confirm["point"] == body["chosen"]["point"]
+    assert "seed = 208" in (tmp_path / "sweep" / "dev201" / confirm["point"] / "plan.toml").read_text()
+    md = record.with_suffix(".md").read_text()
+    assert "| lr0.003-u2-c3 | complete |" in md and "Second development seed (+201)" in md
     assert json.loads(proc.stdout.strip().splitlines()[-1])["record"] == str(record)
 
 
@@ -124,3 +134,13 @@ def test_bench_duplex_times_each_way_of_a_ring_step_over_a_shaped_link(tmp_path)
     assert set(body["seconds"]) == {"one", "two", "all_reduce"}
     assert all(len(t) == 2 and all(s > 0 for s in t) for t in body["seconds"].values())
     assert "| two |" in proc.stdout and "mean vs two" in proc.stdout
+
+
+def test_bench_precision_times_fp32_bf16_and_autocast_in_one_run(tmp_path):
+    """Every mode trains the same batch in its own process on the real engine; the table compares each with fp32."""
+    out = tmp_path / "precision.json"
+    proc = script("launch.bench_precision", "--plan", "launch/plans/tiny.toml", "--ds_config", "ds_configs/dense.json",
+                  "--sizes", "2", "--updates", "1", "--batch_docs", "4", "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["fp32", "bf16", "autocast"] and all(r["median_s"] > 0 for r in rows)
+    assert "| bf16 | 2 |" in proc.stdout and "bf16 units:" in proc.stdout

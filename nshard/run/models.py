@@ -13,7 +13,7 @@ import re
 import shutil
 import tempfile
 
-from nshard.files import cache_root, file_chunks, file_sha256
+from nshard.files import cache_root, file_chunks, file_sha256, note_one_time_work
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
@@ -164,6 +164,7 @@ def _ensure_built(target: Path, source: dict, build: Callable[[Path], None]) -> 
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
             build(tmp)
+            note_one_time_work(f"built the model cache {target.name}")
             sha = dir_sha256(tmp)
             (tmp / MARKER).write_text(json.dumps({"sha256": sha, "source": source}, indent=2))
             if target.exists():  # stale or damaged: move it aside, rename cannot replace a dir

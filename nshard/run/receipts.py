@@ -20,6 +20,26 @@ from nshard.files import write_json_atomic
 PROCESS_START = psutil.Process().create_time()
 """When the kernel started this process (psutil; a DeepSpeed dependency), imports included."""
 
+_MARKS: list[tuple[str, float]] = []
+
+
+def mark(phase: str) -> None:
+    """The end of one start-up phase of this process (imports, process group, inputs, engine), in wall time."""
+    _MARKS.append((phase, time.time()))
+
+
+def startup(first_update_at: float) -> dict:
+    """This process's start-up: from the kernel starting it to its first update, by phase, and the one-time work
+    (shared caches filled) it did meanwhile; what a timed arm paid before it trained."""
+    from nshard.files import ONE_TIME_WORK
+
+    phases, before = {}, PROCESS_START
+    for phase, at in _MARKS:
+        phases[phase] = at - before
+        before = at
+    phases["to first update"] = first_update_at - before
+    return {"s": first_update_at - PROCESS_START, "phases": phases, "one_time_work": list(ONE_TIME_WORK)}
+
 
 def parameter_root(named_params) -> str:
     """SHA-256 over every parameter's name, dtype, shape and bytes, in name order."""
@@ -144,6 +164,7 @@ class Receipt:
             "active_s": self.active_s,
             "active_plus_checkpoint_s": active_plus_checkpoint_s,
             "process_s": time.time() - PROCESS_START,
+            "process_start_at": PROCESS_START,
             "update_s": self.update_s,
             "grad_collective_bytes": sum(self.update_grad_bytes),
             "update_grad_bytes": self.update_grad_bytes,

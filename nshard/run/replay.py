@@ -13,7 +13,7 @@ from pathlib import Path
 
 from nshard.run.data import DataError, Document, read_replay_file
 from nshard.run.device import CPU_FP32, Placement
-from nshard.files import cache_root, write_jsonl_atomic
+from nshard.files import cache_root, note_one_time_work, write_jsonl_atomic
 from nshard.run.plan import Plan
 
 GENERAL_PROMPTS = (
@@ -83,6 +83,7 @@ def replay_documents(plan: Plan, model_ref, tokenizer, placement: Placement = CP
     path = _cache_path(model_ref, d.replay_docs, placement)
     if not path.is_file():
         _generate(model_ref, tokenizer, GENERAL_PROMPTS[: d.replay_docs], path, placement)
+        note_one_time_work(f"generated {d.replay_docs} replay answers ({path.name})")
     return read_replay_file(path, d.replay_response_weight)
 
 

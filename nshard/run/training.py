@@ -21,11 +21,12 @@ from nshard.run import netcount
 from nshard.run import state as state_mod
 from nshard.comm.config import ReducerConfig
 from nshard.evidence.export import write_manifest
+from nshard.seam.ds_config import precision as ds_precision
 from nshard.run.loss import deepspeed_backward_scale, pad_microbatch, weighted_nll_sum
 from nshard.files import file_sha256, write_json_atomic
 from nshard.run.plan import Plan
 from nshard.run.ranks import RunError, all_ranks, on_main_rank, on_main_rank_long
-from nshard.run.receipts import GpuPeaks, MetricsLog, Receipt, parameter_root
+from nshard.run.receipts import GpuPeaks, MetricsLog, Receipt, mark, parameter_root, startup
 from nshard.run.start import StartPoint, restore, weights_record
 
 
@@ -153,6 +154,7 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
     link = netcount.LinkCount(patches.CollectiveCounter(), dist.get_backend())  # kernel vs collective bytes
     gpu_peaks = GpuPeaks()  # reset at every update, so each update's peaks are its own
     began, state_s_before = time.perf_counter(), receipt.state_s
+    receipt.first_update_at = time.time()  # this process's start-up ends here (not part of the resumable counters)
     for update in tqdm(range(start, len(schedule)), initial=start, total=len(schedule), desc="updates",
                        disable=not run.is_main):
         batch = schedule[update]
@@ -284,6 +286,7 @@ def run_training(run: Run, overwrite: bool = False, resume_from: state_mod.Resum
     tokenizer = load_tokenizer(model_ref)
     inputs = prepare_inputs(run, tokenizer, model_ref)
     docs, prepared, schedule, sets, identity = inputs
+    mark("model and inputs")
     # Only now, with every input checked, does the run directory appear. A resumed run's is written only once its
     # state has passed every check (keeper.restore), so a refused resume leaves it as it was.
     if resume_from is None:
@@ -298,6 +301,7 @@ def run_training(run: Run, overwrite: bool = False, resume_from: state_mod.Resum
     started = start_cohort(run, engine, seam) if run.start and not resume_from else None
     resumed = on_main_rank(run, record_resume, run, resume_from, inputs) if resume_from else None
     setup_gpu = gpu_peaks.take()  # model load, replay generation, engine build (and restore)
+    mark("engine")
     receipt = train(run, engine, seam, prepared, schedule, tokenizer.pad_token_id, keeper, start, receipt)
     receipt.record_gpu_phase("setup", setup_gpu)
     gpu_peaks.start()
@@ -310,13 +314,15 @@ def run_training(run: Run, overwrite: bool = False, resume_from: state_mod.Resum
              "parameter_all_gather": patches.parameter_all_gather(engine),
              "reduction_ran": reduction_ran(seam, receipt),
              **patches.optimizer_memory(engine), "device": str(engine.device),
-             "optimizer": patches.optimizer_classes(engine), "determinism": determinism}
+             "optimizer": patches.optimizer_classes(engine), "determinism": determinism,
+             "precision": ds_precision(json.loads(run.ds_config_path.read_text())),
+             "startup": startup(receipt.first_update_at)}
     body = receipt.finish(run.out / "receipts" / f"rank-{run.rank}.json", root, active_plus_checkpoint, extra)
     dist.barrier()
     if run.is_main:
         write_run_json(run, "complete", prepared_identity=identity, parameter_root=root,
                        model={"spec": model_ref.spec, "kind": model_ref.kind, "sha256": model_ref.sha256},
-                       zero_stage=extra["zero_stage"], reducer=extra["reducer"],
+                       zero_stage=extra["zero_stage"], reducer=extra["reducer"], precision=extra["precision"],
                        resumed_from_update=body["resumed_from_update"], resumed_from=resumed,
                        cohort=run.start and {**run.start.provenance, "start": started})
         print(json.dumps({"run": str(run.out), "parameter_root": root, "active_s": round(body["active_s"], 3)}),

@@ -4,6 +4,7 @@ plan once, before any process group or engine exists. Imports no DeepSpeed."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from pathlib import Path
 
@@ -48,6 +49,11 @@ def validate_ds_config(config: dict) -> None:
         raise DsConfigError(f"optimizer.type={opt.get('type')!r}: nshard's study rule is AdamW; use \"AdamW\"")
     if "lr" not in opt.get("params", {}):
         raise DsConfigError("optimizer.params.lr is missing: give a learning rate")
+    for key in ("bf16", "bfloat16"):
+        enabled = config.get(key, {}).get("enabled", False)
+        if enabled not in (True, False, "auto"):
+            raise DsConfigError(f"{key}.enabled={enabled!r}: use true, false or \"auto\" (bf16 where this machine "
+                                "has bf16 matrix units: a GPU that supports it, a CPU with AMX-BF16 or AVX512-BF16)")
     if not isinstance(opt["params"].get("torch_adam", False), bool):
         raise DsConfigError(f"optimizer.params.torch_adam={opt['params']['torch_adam']!r}: use true (torch's AdamW, "
                             "the shipped configs) or false (DeepSpeed's FusedAdam on CUDA, see docs/gpu.md)")
@@ -151,6 +157,9 @@ def complete_ds_config(config: dict, plan: Plan, world_size: int) -> dict:
                 raise DsConfigError(f"zero_optimization.{key}=true with an nshard reducer: set it to false "
                                     "(the nshard reducer does the gradient reduction)")
             zero[key] = False
+    for key in ("bf16", "bfloat16"):
+        if config.get(key, {}).get("enabled") == "auto":  # DeepSpeed takes a bool: resolved here, once
+            config[key]["enabled"] = _bf16(config)
     config.pop("nshard", None)
     return config
 
@@ -163,4 +172,40 @@ def ingest_mode(stage: int, bf16: bool) -> bool:
 
 
 def _bf16(config: dict) -> bool:
-    return any(bool(config.get(key, {}).get("enabled")) for key in ("bf16", "bfloat16"))  # DeepSpeed takes both
+    """Whether the run computes in bf16 (DeepSpeed takes both keys); "auto" asks this machine (bf16_units)."""
+    return any(bf16_units()[0] if config.get(key, {}).get("enabled") == "auto" else bool(config.get(key, {}).get("enabled"))
+               for key in ("bf16", "bfloat16"))
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_units() -> tuple[bool, str]:
+    """Whether this machine has bf16 matrix units that torch uses, and why: what "bf16": {"enabled": "auto"}
+    resolves to. A GPU: torch.cuda.is_bf16_supported(). A CPU: AMX-BF16 or AVX512-BF16 in /proc/cpuinfo's flags,
+    and torch running its AVX-512 kernels (ATEN_CPU_CAPABILITY=default or avx2 takes the slow, and on an AMX
+    machine broken, bf16 paths: FACTS.md)."""
+    import torch
+
+    if torch.cuda.is_available():
+        ok = torch.cuda.is_bf16_supported()
+        return ok, f"{torch.cuda.get_device_name()} {'supports' if ok else 'does not support'} bf16"
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    units = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not units:
+        return False, "this CPU has no bf16 matrix units (neither amx_bf16 nor avx512_bf16 in /proc/cpuinfo)"
+    if not capability.startswith("AVX512"):
+        return False, f"this CPU has {' and '.join(units)} but torch runs its {capability} kernels here"
+    return True, f"this CPU has {' and '.join(units)} and torch runs its {capability} kernels"
+
+
+def precision(config: dict) -> dict:
+    """What the run computes in and why, for its receipts and the report: the ds_config's request (true, false,
+    "auto"), the outcome, and the masters' dtype (fp32 in DeepSpeed's bf16 optimizers, as in fp32)."""
+    requested = next((config[k].get("enabled") for k in ("bf16", "bfloat16") if k in config), False)
+    bf16 = _bf16(config)
+    why = bf16_units()[1] if requested == "auto" else f"the ds_config sets bf16.enabled={str(bool(requested)).lower()}"
+    return {"requested": requested, "compute": "bfloat16" if bf16 else "float32", "masters": "float32", "why": why}

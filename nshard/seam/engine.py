@@ -5,6 +5,7 @@ The ds_config rules are nshard/seam/ds_config.py; every private touch point is n
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 from nshard.comm.config import ReducerConfig
+from nshard.files import note_one_time_work
 from nshard.seam import patches
 from nshard.seam.chunked_adamw import CHUNK_ELEMENTS, chunk_steps
 from nshard.seam.ds_config import TORCH_ADAMW, ingest_mode, optimizer_path
@@ -66,7 +68,25 @@ def build_cpu_comm_extension() -> None:
     init_distributed on a machine compiles it (~40 s) inside whichever run comes first."""
     from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
 
-    ShareMemCommBuilder().load(verbose=False)
+    with _noting_a_build():
+        ShareMemCommBuilder().load(verbose=False)
+
+
+@contextlib.contextmanager
+def _noting_a_build():
+    """Note (nshard.files.note_one_time_work) when DeepSpeed's CPU collective was compiled inside the block: its
+    shared object under torch's extension directory is new or newer afterwards. On CUDA nothing is built here."""
+    if torch.cuda.is_available():
+        yield
+        return
+    from torch.utils.cpp_extension import _get_build_directory
+
+    built = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "deepspeed_shm_comm.so"
+    before = built.stat().st_mtime_ns if built.exists() else None
+    yield
+    after = built.stat().st_mtime_ns if built.exists() else None
+    if after is not None and after != before:
+        note_one_time_work(f"compiled DeepSpeed's CPU collective ({built})")
 
 
 def init_distributed() -> None:
@@ -75,7 +95,8 @@ def init_distributed() -> None:
     from nshard.run.device import bind_local_gpu, dist_backend
 
     bind_local_gpu()
-    deepspeed.init_distributed(dist_backend=dist_backend(torch.cuda.is_available()))
+    with _noting_a_build():
+        deepspeed.init_distributed(dist_backend=dist_backend(torch.cuda.is_available()))
     _unlink_shm_workspace()
 
 

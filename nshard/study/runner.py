@@ -118,20 +118,64 @@ def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: di
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = launch_command(arm, plan, plan_path, ds_config, run_dir, free_port(), hosts)
     say(f"arm {arm.name}: training on {arm.ranks} rank(s) with {arm.ds_config} (log: {log})")
-    t0 = time.perf_counter()
+    t0, started_at = time.perf_counter(), time.time()
     with log.open("w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
     wall = time.perf_counter() - t0
-    attempts.append({"rc": rc, "log": str(log), "wall_s": wall,
+    # Wall-clock ends of the launch (the receipts' process_start_at share the clock: emulated hosts share the
+    # kernel), so the report can show the launch before the ranks' processes and the teardown after their receipts.
+    attempts.append({"rc": rc, "log": str(log), "wall_s": wall, "started_at": started_at, "ended_at": time.time(),
                      "at": datetime.datetime.now(datetime.timezone.utc).isoformat()})
     ok = rc == 0 and arm_is_done(run_dir, plan_sha, ds_sha, arm.ranks, arm.replay)
     status = "complete" if ok else "failed"
     say(f"arm {arm.name}: {status} in {wall:.0f} s" + ("" if ok else f" (exit {rc}); see {log}"))
     tail = [] if ok else log.read_text(errors="replace").splitlines()[-15:]
     return {**entry, "status": status, "reused": False, "log": str(log), "launcher_wall_s": wall, "rc": rc,
-            "error_tail": tail}
+            "launcher_started_at": started_at, "launcher_ended_at": attempts[-1]["ended_at"], "error_tail": tail}
+
+
+WARM_UP_TRAIN = {"updates": 1, "global_batch_docs": 2, "microbatch_docs": 1}
+"""The warm-up launch trains one update of two documents: enough to pass through every step an arm takes."""
+
+
+def warm_up_hosts(plan: Plan, plan_path: Path, out: Path, hosts: dict) -> dict:
+    """One throwaway launch across every host before the first timed arm, through the launcher, ssh, interpreter,
+    caches and link the arms use: what a first process on a host pays once (DeepSpeed's CPU collective compiled
+    for that host's venv, the model and the venv read into its page cache, ssh and gloo set up) is paid here, so
+    the first arm does not carry what the others reuse. Its receipts say what one-time work it did; the arms'
+    receipts must then say none (the report shows each arm's start-up). Its run directory is removed after."""
+    import re
+
+    arm = next((a for a in plan.study.arms if a.ranks == len(hosts["hosts"])), plan.study.arms[0])
+    text = plan_path.read_text()
+    for key, value in WARM_UP_TRAIN.items():
+        text, n = re.subn(rf"(?m)^{key} = \d+", f"{key} = {value}", text, count=1)
+        if n != 1:
+            raise StudyError(f"the host warm-up needs a '{key} = N' line in the plan's [train] section")
+    warm_plan, run_dir = out / "warm-up.toml", out / "warm-up"
+    warm_plan.write_text(text)
+    log = out / "logs" / "warm-up.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = launch_command(arm, plan, warm_plan, resolve_ds_config(arm.ds_config, plan_path), run_dir, free_port(),
+                         hosts)
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+    wall = time.perf_counter() - t0
+    receipts = [json.loads(p.read_text()) for p in sorted((run_dir / "receipts").glob("rank-*.json"))]
+    if rc != 0 or len(receipts) != arm.ranks:
+        raise StudyError(f"the warm-up launch on the emulated hosts failed (exit {rc}); see {log}: the arms would "
+                         "fail the same way")
+    shutil.rmtree(run_dir)
+    warm_plan.unlink()
+    work = sorted({w for r in receipts for w in (r.get("startup") or {}).get("one_time_work", [])})
+    say(f"hosts warmed up in {wall:.0f} s by a {arm.ranks}-rank launch of one update"
+        + (f" ({'; '.join(work)})" if work else " (no one-time work was left)"))
+    return {"wall_s": wall, "ranks": arm.ranks, "ds_config": arm.ds_config, "log": str(log), "one_time_work": work}
 
 
 def settle_state(arm: ArmSpec, plan: Plan, entry: dict) -> dict:
@@ -345,6 +389,10 @@ def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = Fals
             study["placement"].update(hosts=hosts["hosts"], cores=hosts["cores"])
             say(f"emulated hosts up: {', '.join(f'{h} on core(s) {c}' for h, c in zip(hosts['hosts'], hosts['cores']))}, "
                 f"link {plan.study.link}")
+            if not all(arm_is_done(out / "arms" / a.name, file_sha256(plan_path),
+                                   file_sha256(resolve_ds_config(a.ds_config, plan_path)), a.ranks, a.replay)
+                       for a in plan.study.arms):  # an arm will be timed
+                study["warm_up"] = warm_up_hosts(plan, plan_path, out, hosts)
         for arm in plan.study.arms:
             study["arms"].append(settle_state(arm, plan, train_arm(arm, plan, plan_path, out, previous.get(arm.name),
                                                                     hosts)))
