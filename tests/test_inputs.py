@@ -163,3 +163,37 @@ def test_the_cohort_plan_loads_with_its_study_found_from_the_checkout():
     assert plan.data.families == ("cheapest", "acronym") and plan.cohort.from_study.endswith("runs/cpu-study")
     assert [(a.name, a.replay) for a in plan.study.arms] == [("powersgd", True), ("no-replay", False)]
     assert not load_plan(REPO / "launch/plans/tiny.toml").cohort.enabled
+
+
+def test_the_gpu_recipe_runs_as_shipped_with_only_files_the_project_provides(monkeypatch):
+    """launch/plans/study.toml: every file it names is in the checkout (replay: the seed model's own answers to
+    the built-in prompts), each multi-rank arm's ranks equal its hostfile's slots, and every arm's ds_config passes
+    the trainer's own checks on a GPU (the hub model itself is fetched at run time)."""
+    from nshard.run.hostfile import parse_hostfile
+    from nshard.run.replay import check_replay_source
+    from nshard.seam.ds_config import check_optimizer_path, complete_ds_config, load_ds_config, reducer_config
+    from nshard.study.runner import resolve_ds_config
+
+    monkeypatch.chdir(REPO.parent)  # from outside the checkout: nothing may be found by accident of the cwd
+    path = REPO / "launch/plans/study.toml"
+    plan = load_plan(path)
+    assert plan.data.replay_file == "" and plan.data.replay_docs > 0
+    check_replay_source(plan)
+    slots = sum(parse_hostfile(plan.study.hostfile).values())
+    for arm in plan.study.arms:
+        config = load_ds_config(resolve_ds_config(arm.ds_config, path))
+        reducer_config(config)
+        check_optimizer_path(config, cuda=True)
+        complete_ds_config(config, plan, arm.ranks)
+        assert arm.ranks == 1 or arm.ranks == slots, f"arm {arm.name}: {arm.ranks} ranks, hostfile {slots} slots"
+
+
+def test_a_study_lands_where_a_second_cohort_looks_for_it(monkeypatch):
+    """`python -m nshard.study --plan launch/plans/cpu-study.toml` and launch/study.sh write runs/cpu-study, the
+    directory launch/plans/cpu-cohort.toml's cohort.from names."""
+    from nshard.study.runner import default_out
+
+    monkeypatch.chdir(REPO)
+    first = default_out(load_plan(REPO / "launch/plans/cpu-study.toml")).resolve()
+    assert str(first) == load_plan(REPO / "launch/plans/cpu-cohort.toml").cohort.from_study
+    assert first == (REPO / "runs" / "cpu-study").resolve()
