@@ -197,3 +197,28 @@ def test_a_study_lands_where_a_second_cohort_looks_for_it(monkeypatch):
     first = default_out(load_plan(REPO / "launch/plans/cpu-study.toml")).resolve()
     assert str(first) == load_plan(REPO / "launch/plans/cpu-cohort.toml").cohort.from_study
     assert first == (REPO / "runs" / "cpu-study").resolve()
+
+
+def test_the_preflight_refuses_a_deepspeed_env_line_the_launcher_would_stop_on(tmp_path):
+    """A blank line in .deepspeed_env makes DeepSpeed's launcher fail on `key, val = line.split('=', 1)`: the
+    preflight names the file and line instead (exit 2, one line)."""
+    (tmp_path / "hostfile").write_text("gpu-a slots=1\n")
+    (tmp_path / "env").write_text("GLOO_SOCKET_IFNAME=eth0\n\n")
+    proc = subprocess.run([sys.executable, "-m", "nshard.hosts", "check", "--hostfile", str(tmp_path / "hostfile"),
+                           "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**run_env(), "DS_ENV_FILE": str(tmp_path / "env")})
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"nshard: error: {tmp_path / 'env'}:2: '' is not KEY=VALUE; DeepSpeed's launcher stops on such a line "
+        "(blank lines included): remove it"]
+
+
+def test_the_preflight_says_when_gloo_would_talk_on_loopback():
+    from nshard.hosts import interface_problems
+
+    facts = {"env": {"GLOO_SOCKET_IFNAME": None, "NCCL_SOCKET_IFNAME": "=ib0"}, "interfaces": ["eth0", "ib0", "lo"],
+             "hostname": "gpu-a", "hostname_address": "127.0.1.1"}
+    assert [p.split(":")[1].strip() for p in interface_problems("gpu-a", facts, {})] == [
+        "GLOO_SOCKET_IFNAME is unset and its hostname gpu-a resolves to 127.0.1.1, so gloo (nshard's long-wait group, "
+        "CPU runs) would use loopback"]
+    assert interface_problems("gpu-a", facts, {"GLOO_SOCKET_IFNAME": "eth0"}) == []
+    assert interface_problems("gpu-a", {**facts, "env": {"NCCL_SOCKET_IFNAME": "eth"}}, {"GLOO_SOCKET_IFNAME": "eth0"}) == []
