@@ -33,12 +33,14 @@ def probe(checkout: str, out: str, token: str, label: str) -> dict:
     import importlib.metadata
     import socket
 
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", "-C", checkout, *args], capture_output=True, text=True)
-        return done.stdout.strip() if done.returncode == 0 else ""
+    import hashlib
 
-    facts = {"python": sys.executable, "hostname": socket.gethostname(),
-             "commit": git("rev-parse", "HEAD"), "changes": git("status", "--porcelain", "--untracked-files=no"),
+    def git(*args: str) -> bytes:
+        done = subprocess.run(["git", "-C", checkout, *args], capture_output=True)
+        return done.stdout.strip() if done.returncode == 0 else b""
+
+    facts = {"python": sys.executable, "hostname": socket.gethostname(), "commit": git("rev-parse", "HEAD").decode(),
+             "changes": hashlib.sha256(git("diff", "HEAD", "--binary")).hexdigest(),  # uncommitted edits, by content
              "versions": {}, "interfaces": sorted(name for _, name in socket.if_nameindex()),
              "env": {v: os.environ.get(v) for v in IFNAME_VARIABLES}}
     try:
@@ -132,8 +134,8 @@ def compare(host: str, slots: int, facts: dict, here: dict, device: str, out: st
                         f"the launching machine's at {here['commit'][:12]}: git -C {here['checkout']} checkout "
                         f"{here['commit'][:12]} there")
     elif facts["changes"] != here["changes"]:
-        problems.append(f"{host}: checkout {here['checkout']} has other uncommitted changes than the launching "
-                        "machine's: commit them and check out the same commit on every host")
+        problems.append(f"{host}: checkout {here['checkout']} holds other uncommitted changes than the launching "
+                        "machine's (git diff HEAD differs): commit them and check out that commit on every host")
     for package in PACKAGES:
         theirs, ours = facts["versions"].get(package), here["versions"].get(package)
         if theirs != ours:

@@ -140,3 +140,23 @@ def test_every_shipped_plan_and_ds_config_is_described():
     missing = [p.name for p in sorted((REPO / "launch" / "plans").glob("*.toml")) if f"`{p.name}`" not in plans]
     missing += [p.name for p in sorted((REPO / "ds_configs").glob("*.json")) if f"`{p.name}`" not in configs]
     assert not missing, f"docs/configuration.md does not describe {missing}"
+
+
+def heading_anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_pages_finds_its_file_and_heading():
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    pages = [p.resolve() for p in pages]
+    anchors = {p: {heading_anchor(h) for h in re.findall(r"^#+ (.+)$", p.read_text(), re.M)} for p in pages}
+    broken = []
+    for page in pages:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", page.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            path = (page.parent / target).resolve() if target else page
+            if not path.exists() or (anchor and path.suffix == ".md" and anchor not in anchors.get(path, set())):
+                broken.append(f"{page.relative_to(REPO)}: ({target}#{anchor})")
+    assert not broken, f"links that lead nowhere: {broken}"
