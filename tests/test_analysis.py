@@ -370,6 +370,59 @@ def test_a_placement_that_cannot_time_the_arms_makes_the_speed_screen_not_compar
     assert "Speed screen: **NOT COMPARABLE**" in report and why in report and "- NOT COMPARABLE: complete-process" in report
 
 
+def hostfile_placement(tmp_path: Path, lines: str, cuda: bool = False) -> dict:
+    """nshard.study.placement.describe for the default arms (one rank, two ranks dense, two ranks PowerSGD) with a
+    study.hostfile of these lines, or with none and local GPUs (lines="")."""
+    from nshard.run.plan import load_plan
+    from nshard.study.placement import describe
+
+    plan = tmp_path / "plan.toml"
+    if lines:
+        (tmp_path / "hostfile").write_text(lines)
+    plan.write_text(f'[study]\nhostfile = "{tmp_path / "hostfile"}"\n' if lines else "")
+    return describe(load_plan(plan), cuda=cuda)
+
+
+@pytest.mark.parametrize("lines", ["localhost slots=2\n", "# one GPU host\ngpu-a slots=2\n"])
+def test_a_hostfile_of_one_host_makes_the_speed_screen_not_comparable(tmp_path, lines):
+    """Every rank of the two-rank arms on one host: no link between them, unlike the reference's two hosts."""
+    placement = hostfile_placement(tmp_path, lines)
+    host = lines.split()[-2]
+    assert placement["comparable"] is False and f"one host ({host}" in placement["why"]
+    assert "dense, powersgd" in placement["why"] and "launch/hostfile.two-hosts" in placement["why"]
+    root = make_study(tmp_path / "study", candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
+    study = json.loads((root / "study.json").read_text())
+    (root / "study.json").write_text(json.dumps({**study, "placement": placement}))
+    speed = write_outputs(root)["screens"]["speed"]
+    assert speed["passed"] is None and speed["why"] == placement["why"]
+    assert "Speed screen: **NOT COMPARABLE**" in (root / "report.md").read_text()
+
+
+def test_a_hostfile_of_two_hosts_lets_the_speed_screen_decide(tmp_path):
+    placement = hostfile_placement(tmp_path, "gpu-a slots=1\ngpu-b slots=1\n")
+    assert placement["comparable"] is True and placement["hosts"] == ["gpu-a", "gpu-b"]
+    root = make_study(tmp_path / "study", candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
+    study = json.loads((root / "study.json").read_text())
+    (root / "study.json").write_text(json.dumps({**study, "placement": placement}))
+    assert write_outputs(root)["screens"]["speed"]["passed"] is True  # 100 s against 80 s clears 1.10x
+    assert "Placement: the hosts of" in (root / "report.md").read_text()
+
+
+def test_local_gpus_share_one_host_so_their_speed_screen_is_not_comparable(tmp_path):
+    placement = hostfile_placement(tmp_path, "", cuda=True)
+    assert placement["kind"] == "local" and placement["comparable"] is False and "GPUs" in placement["why"]
+
+
+def test_the_shipped_two_host_example_is_comparable_and_the_shipped_hostfile_is_not(tmp_path):
+    from nshard.run.plan import load_plan
+    from nshard.study.placement import describe
+
+    study = load_plan(REPO / "launch" / "plans" / "study.toml")  # names the checkout's hostfile: localhost slots=2
+    assert describe(study, cuda=True)["comparable"] is False
+    shutil.copyfile(REPO / "launch" / "hostfile.two-hosts", tmp_path / "hostfile")
+    assert hostfile_placement(tmp_path, (tmp_path / "hostfile").read_text())["comparable"] is True
+
+
 def test_the_commitment_anchor_goes_into_the_results_and_one_for_another_record_is_refused(tmp_path):
     root = make_study(tmp_path, candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
     assert write_outputs(root)["commitment_anchor"] is None  # no store configured: nothing anchored

@@ -3,6 +3,7 @@ network namespace, the kernel's byte counters against the reducer's ledger, and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -288,3 +289,53 @@ def test_without_root_an_emulated_placement_runs_locally_and_says_the_speed_scre
     placement = json.loads(proc.stdout)
     assert placement["kind"] == "local" and placement["requested"] == "emulated"
     assert placement["comparable"] is False and "need root" in placement["why"]
+
+
+def preflight(hostfile: Path, out: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "nshard.hosts", "check", "--hostfile",
+                           str(hostfile), "--out", str(out), "--device", "cpu"], cwd=REPO,
+                          env={**run_env(), **(env or {})}, capture_output=True, text=True, timeout=300)
+
+
+@contextlib.contextmanager
+def bound_in_host(pid: int, source: Path, target: Path):
+    """Bind-mount `source` over `target` inside one emulated host's mount namespace (its sshd's, which
+    `ip netns exec` made as a slave of this one): what that host's sessions see changes, nothing else does."""
+    assert os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt"), "sshd shares our mount namespace"
+    before = target.read_bytes()
+    subprocess.run(["nsenter", "-t", str(pid), "-m", "mount", "--bind", str(source), str(target)], check=True)
+    try:
+        assert target.read_bytes() == before, "the bind mount reached this namespace"
+        yield
+    finally:
+        subprocess.run(["nsenter", "-t", str(pid), "-m", "umount", str(target)], check=True)
+
+
+def test_the_preflight_passes_on_the_pair_and_names_the_host_whose_checkout_differs(hosts, tmp_path):
+    """python -m nshard.hosts check over the emulated hosts' ssh: both agree; then the second host's checkout
+    points at another commit (its .git, in its own mount namespace) and .deepspeed_env names a missing interface:
+    one line per problem, each naming its host."""
+    out = tmp_path / "shared-out"
+    ok = preflight(hosts, out)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "198.51.100.1: ok" in ok.stdout and "198.51.100.2: ok" in ok.stdout and "every host agrees" in ok.stdout
+    assert not list(out.glob(".nshard-preflight-*")), "the preflight left its files in --out"
+
+    other = tmp_path / "other-checkout"
+    subprocess.run(["git", "clone", "-q", "--shared", str(REPO), str(other)], check=True)
+    subprocess.run(["git", "-C", str(other), "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-q",
+                    "--allow-empty", "-m", "another commit"], check=True)
+    gitfile = tmp_path / "gitfile"
+    gitfile.write_text(f"gitdir: {other / '.git'}\n")
+    dsenv = tmp_path / "deepspeed_env"
+    dsenv.write_text("GLOO_SOCKET_IFNAME=eth9\n")
+    sshd = int((REPO / "runs" / "hosts" / "sshd-2.pid").read_text())
+    with bound_in_host(sshd, gitfile, REPO / ".git"):
+        bad = preflight(hosts, out, env={"DS_ENV_FILE": str(dsenv)})
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    lines = [line for line in bad.stderr.splitlines() if line.startswith("nshard: preflight: ")]
+    assert len(lines) == 3, bad.stderr
+    assert [l for l in lines if "commit" in l] == [l for l in lines if l.startswith("nshard: preflight: 198.51.100.2: checkout")]
+    assert "the launching machine's at" in lines[-2] or "the launching machine's at" in lines[-1]
+    assert sum("GLOO_SOCKET_IFNAME=eth9 names no interface there (it has eth0, lo)" in l for l in lines) == 2
+    assert not list(out.glob(".nshard-preflight-*"))

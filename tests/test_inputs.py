@@ -192,3 +192,60 @@ def test_bf16_auto_is_fp32_where_torch_runs_no_avx512_kernels():
                           capture_output=True, text=True, check=True)
     (units, why), record = json.loads(proc.stdout.strip().splitlines()[-1])
     assert units is False and record["compute"] == "float32" and record["why"] == why
+def test_the_gpu_recipe_runs_as_shipped_with_only_files_the_project_provides(monkeypatch):
+    """launch/plans/study.toml: every file it names is in the checkout (replay: the seed model's own answers to
+    the built-in prompts), each multi-rank arm's ranks equal its hostfile's slots, and every arm's ds_config passes
+    the trainer's own checks on a GPU (the hub model itself is fetched at run time)."""
+    from nshard.run.hostfile import parse_hostfile
+    from nshard.run.replay import check_replay_source
+    from nshard.seam.ds_config import check_optimizer_path, complete_ds_config, load_ds_config, reducer_config
+    from nshard.study.runner import resolve_ds_config
+
+    monkeypatch.chdir(REPO.parent)  # from outside the checkout: nothing may be found by accident of the cwd
+    path = REPO / "launch/plans/study.toml"
+    plan = load_plan(path)
+    assert plan.data.replay_file == "" and plan.data.replay_docs > 0
+    check_replay_source(plan)
+    slots = sum(parse_hostfile(plan.study.hostfile).values())
+    for arm in plan.study.arms:
+        config = load_ds_config(resolve_ds_config(arm.ds_config, path))
+        reducer_config(config)
+        check_optimizer_path(config, cuda=True)
+        complete_ds_config(config, plan, arm.ranks)
+        assert arm.ranks == 1 or arm.ranks == slots, f"arm {arm.name}: {arm.ranks} ranks, hostfile {slots} slots"
+
+
+def test_a_study_lands_where_a_second_cohort_looks_for_it(monkeypatch):
+    """`python -m nshard.study --plan launch/plans/cpu-study.toml` and launch/study.sh write runs/cpu-study, the
+    directory launch/plans/cpu-cohort.toml's cohort.from names."""
+    from nshard.study.runner import default_out
+
+    monkeypatch.chdir(REPO)
+    first = default_out(load_plan(REPO / "launch/plans/cpu-study.toml")).resolve()
+    assert str(first) == load_plan(REPO / "launch/plans/cpu-cohort.toml").cohort.from_study
+    assert first == (REPO / "runs" / "cpu-study").resolve()
+
+
+def test_the_preflight_refuses_a_deepspeed_env_line_the_launcher_would_stop_on(tmp_path):
+    """A blank line in .deepspeed_env makes DeepSpeed's launcher fail on `key, val = line.split('=', 1)`: the
+    preflight names the file and line instead (exit 2, one line)."""
+    (tmp_path / "hostfile").write_text("gpu-a slots=1\n")
+    (tmp_path / "env").write_text("GLOO_SOCKET_IFNAME=eth0\n\n")
+    proc = subprocess.run([sys.executable, "-m", "nshard.hosts", "check", "--hostfile", str(tmp_path / "hostfile"),
+                           "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**run_env(), "DS_ENV_FILE": str(tmp_path / "env")})
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"nshard: error: {tmp_path / 'env'}:2: '' is not KEY=VALUE; DeepSpeed's launcher stops on such a line "
+        "(blank lines included): remove it"]
+
+
+def test_the_preflight_says_when_gloo_would_talk_on_loopback():
+    from nshard.hosts import interface_problems
+
+    facts = {"env": {"GLOO_SOCKET_IFNAME": None, "NCCL_SOCKET_IFNAME": "=ib0"}, "interfaces": ["eth0", "ib0", "lo"],
+             "hostname": "gpu-a", "hostname_address": "127.0.1.1"}
+    assert [p.split(":")[1].strip() for p in interface_problems("gpu-a", facts, {})] == [
+        "GLOO_SOCKET_IFNAME is unset and its hostname gpu-a resolves to 127.0.1.1, so gloo (nshard's long-wait group, "
+        "CPU runs) would use loopback"]
+    assert interface_problems("gpu-a", facts, {"GLOO_SOCKET_IFNAME": "eth0"}) == []
+    assert interface_problems("gpu-a", {**facts, "env": {"NCCL_SOCKET_IFNAME": "eth"}}, {"GLOO_SOCKET_IFNAME": "eth0"}) == []

@@ -27,7 +27,8 @@ class IngestSeam(ReducerSeam):
     reducer averages the sums and hands them to DeepSpeed: under ZeRO-1/2 `partition_writer`
     (ZeroPartitionWriter, below) copies each parameter's owned slice into ZeRO's gradient
     partition; bf16 at stage 0 takes a backward through HandOver nodes, whose gradient is exactly the
-    reduced sum, into DeepSpeed's hooks, whose own reduction patches.py has replaced by a no-op.
+    reduced sum, into DeepSpeed's hooks and its FP16_UnfusedOptimizer (bf16 mode), with DeepSpeed's backward
+    all-reduce switched off (patches.silence_deepspeed_reduction).
     engine.step() updates. DeepSpeed runs with gradient_accumulation_steps=1: it sees one
     micro-step per update.
 

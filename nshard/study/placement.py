@@ -41,11 +41,22 @@ def emulation_unavailable() -> str | None:
 
 
 def describe(plan: Plan, cuda: bool) -> dict:
-    """The placement the study will use, with whether the speed screen can compare its arms (and why not)."""
+    """The placement the study will use, with whether the speed screen can compare its arms (and why not).
+    The reference timed two-rank arms whose ranks had a host each and talked over a link: an arm whose ranks
+    all share one host (a one-host hostfile, localhost included, or local GPUs) is not timed that way."""
     study = plan.study
+    shared = [a.name for a in study.arms if a.ranks > 1]
     if study.hostfile:
-        return {"kind": "hostfile", "hostfile": study.hostfile, "link": None, "cores_per_host": None,
-                "comparable": True, "why": None}
+        from nshard.run.hostfile import parse_hostfile
+
+        hosts = list(parse_hostfile(study.hostfile))
+        one_host = len(hosts) == 1 and shared
+        return {"kind": "hostfile", "hostfile": study.hostfile, "hosts": hosts, "link": None, "cores_per_host": None,
+                "comparable": not one_host,
+                "why": None if not one_host else (
+                    f"every rank of {', '.join(shared)} ran on one host ({hosts[0]}, the only host in "
+                    f"{study.hostfile}): no link lay between their ranks; list two hosts of one slot each "
+                    "(launch/hostfile.two-hosts)")}
     if study.placement == "emulated":
         why = emulation_unavailable()
         if why is None:
@@ -54,8 +65,12 @@ def describe(plan: Plan, cuda: bool) -> dict:
         return {"kind": "local", "requested": "emulated", "link": None, "cores_per_host": None, "comparable": False,
                 "why": f"{why}; the arms ran on this machine, the two-rank arms splitting its cores with no link "
                        "between their ranks"}
-    if cuda:
+    if cuda and not shared:
         return {"kind": "local", "link": None, "cores_per_host": None, "comparable": True, "why": None}
+    if cuda:
+        return {"kind": "local", "link": None, "cores_per_host": None, "comparable": False,
+                "why": f"every rank of {', '.join(shared)} ran on this machine's GPUs: no link lay between their "
+                       "ranks (study.hostfile with two hosts of one slot each times them as the reference did)"}
     return {"kind": "local", "link": None, "cores_per_host": None, "comparable": False,
             "why": "every rank ran on this machine's CPU: the two-rank arms split the cores the one-rank arm had to "
                    "itself, and no link lay between their ranks (study.placement = \"emulated\" times them as the "

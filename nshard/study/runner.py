@@ -3,7 +3,7 @@ validate the scores, and analyze (screens, report, plots).
 
     python -m nshard.study --plan PLAN [--out DIR] [--exploratory]
 
-DIR (default runs/study-<plan name>) holds study.json, arms/<arm>/ (one run directory each),
+DIR (default runs/<plan name>, as launch/study.sh and nshard/train.py name it) holds study.json, arms/<arm>/ (one run directory each),
 logs/, commitment.json, eval/<model>/, validation.json, results.json, report.md, plots/, and last
 evidence.tar (+ .sha256): the study's evidence and source in one archive (nshard/evidence/archive.py). With
 study.store set, the record is pushed there before any score (anchor.json says where and when), and the committed
@@ -357,6 +357,11 @@ def accept_cohort(plan: Plan, out: Path) -> dict:
     return record
 
 
+def default_out(plan: Plan) -> Path:
+    """runs/<plan name>: where launch/study.sh puts a study and where a second cohort's `cohort.from` looks."""
+    return Path("runs") / plan.name
+
+
 def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = False) -> dict:
     from nshard.run.cohort import start_model_spec
     from nshard.run.models import ModelRef, load_tokenizer, resolve_model
@@ -364,7 +369,7 @@ def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = Fals
 
     plan_path = Path(plan_path).resolve()
     plan = load_plan(plan_path)
-    out = Path(out or Path("runs") / f"study-{plan.name}").resolve()
+    out = Path(out or default_out(plan)).resolve()
     out.mkdir(parents=True, exist_ok=True)
     for arm in plan.study.arms:  # every ds_config is checked before the first arm starts
         resolve_ds_config(arm.ds_config, plan_path)
@@ -378,10 +383,10 @@ def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = Fals
              "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
     shutil.copyfile(plan_path, out / "plan.toml")
     t0 = time.perf_counter()
-    prepare_shared_caches(plan, plan_path)
-    study["placement"] = placement_mod.describe(plan, cuda_available())
+    study["placement"] = placement_mod.describe(plan, cuda_available())  # reads the hostfile: before any cost
     if not study["placement"]["comparable"]:
         say(f"speed screen not comparable: {study['placement']['why']}")
+    prepare_shared_caches(plan, plan_path)
     with contextlib.ExitStack() as stack:
         hosts = None
         if study["placement"]["kind"] == "emulated":
@@ -433,7 +438,7 @@ def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = Fals
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", required=True, type=Path, help="experiment plan TOML with a [study] section")
-    parser.add_argument("--out", type=Path, help="study directory (default runs/study-<plan name>)")
+    parser.add_argument("--out", type=Path, help="study directory (default runs/<plan name>)")
     parser.add_argument("--exploratory", action="store_true",
                         help="score without a commitment; every output is marked exploratory")
     args = parser.parse_args(argv)
