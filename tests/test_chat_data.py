@@ -50,7 +50,7 @@ def documents(run: Path) -> list[dict]:
 
 def test_own_rows_train_and_their_held_out_loss_is_reported_scored_and_validated(chat_runs, tmp_path):
     from nshard.study.evaluate import score_model
-    from nshard.study.validate import validate
+    from nshard.study.validate import ValidationError, validate
 
     jsonl, parquet = chat_runs["jsonl"], chat_runs["parquet"]
     # The same rows read from a parquet through datasets give the same documents, token for token; the identity
@@ -75,6 +75,13 @@ def test_own_rows_train_and_their_held_out_loss_is_reported_scored_and_validated
     report = validate(parquet, load_tokenizer(resolve_model("tiny")),
                       {"seed": tmp_path / "seed", "parquet": tmp_path / "parquet"})
     assert report["passed"] and report["evaluations"]["parquet"]["heldout_docs"] == 8
+    # A flipped exact-match flag on an own row is caught, naming the row.
+    rows = [json.loads(line) for line in (tmp_path / "parquet" / "cases.jsonl").read_text().splitlines()]
+    rows[1]["correct"] = not rows[1]["correct"]
+    (tmp_path / "parquet" / "cases.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValidationError, match=f"parquet: {rows[1]['case_id']}: re-scoring gives"):
+        validate(parquet, load_tokenizer(resolve_model("tiny")), {"seed": tmp_path / "seed",
+                                                                  "parquet": tmp_path / "parquet"}, rebuild=False)
 
     # The command line reports the held-out loss per response token.
     proc = subprocess.run([sys.executable, "-m", "nshard.study.evaluate", "--run", str(jsonl), "--model",
@@ -111,3 +118,18 @@ def test_the_identity_follows_one_changed_row_and_tokens_are_cached_per_file(tmp
         files[split].write_text("\n".join(lines) + "\n")
         assert identity() == first
     assert len(token_files()) == 4  # each edited file once more; the unchanged one was read from the cache
+
+
+def test_a_save_to_disk_directory_reads_as_the_same_rows_and_a_dataset_dict_names_its_splits(tmp_path, monkeypatch):
+    import datasets
+
+    from nshard.run.chat import read_rows
+    from nshard.run.data import DataError
+
+    monkeypatch.setenv("NSHARD_CACHE", str(tmp_path / "cache"))
+    table = datasets.load_dataset("json", data_files=str(DATA["heldout"]), split="train", cache_dir=str(tmp_path / "hf"))
+    table.save_to_disk(str(tmp_path / "one"))
+    datasets.DatasetDict({"test": table}).save_to_disk(str(tmp_path / "dict"))
+    assert read_rows(tmp_path / "one", "heldout", 1.0)[1] == read_rows(DATA["heldout"], "heldout", 1.0)[1]
+    with pytest.raises(DataError, match=r"holds the splits \['test'\]: name one split's directory"):
+        read_rows(tmp_path / "dict", "heldout", 1.0)

@@ -272,7 +272,7 @@ def prepare(plan: Plan, tokenizer, replay: list[Document], with_replay: bool = T
                         "row's?); make ids unique")
     prepared = [tokenize(tokenizer, doc, plan.model.max_length) for doc in tasks_docs]
     prepared += (chat.train_prepared if chat else []) + [tokenize(tokenizer, doc, plan.model.max_length) for doc in replay]
-    if plan.train.global_batch_docs > len(docs):
+    if chat and plan.train.global_batch_docs > len(docs):  # without own data the plan checked the count
         raise DataError(f"train.global_batch_docs={plan.train.global_batch_docs} exceeds the {len(docs)} training "
                         "documents: lower it or add rows to data.chat_train")
     schedule = batch_schedule(len(docs), plan.train.updates, plan.train.global_batch_docs, d.seed)
