@@ -24,7 +24,7 @@ from nshard.analysis.paired import PairingError, cases_for_one_loss, mean_interv
 from nshard.evidence.commit import CommitError, check_committed_as, files_sha256, load_commitment, model_files
 
 FAMILY_TITLES = {"lookup": "Lookup", "filtering": "Filtering", "sorting": "Sorting", "invoice": "Invoice totals",
-                 "cheapest": "Cheapest item", "acronym": "Acronym"}
+                 "cheapest": "Cheapest item", "acronym": "Acronym", "chat": "Own held-out rows, exact match"}
 
 
 class StudyError(ValueError):
@@ -68,7 +68,8 @@ def check_scores(study_dir: Path, study: dict, record: dict) -> list[str]:
     for label in ["seed", *(a["name"] for a in complete)]:
         path = study_dir / "eval" / label / "summary.json"
         summary = read_json(path)
-        rows = [r for name in ("cases.jsonl", "retention.jsonl") for r in read_jsonl(path.parent / name)]
+        names = ["cases.jsonl", "retention.jsonl"] + (["heldout.jsonl"] if (path.parent / "heldout.jsonl").is_file() else [])
+        rows = [r for name in names for r in read_jsonl(path.parent / name)]
         if summary.get("exploratory") or summary.get("commitment") is None or any(r.get("exploratory") for r in rows):
             reasons.append(f"{path.parent} was scored without the commitment (exploratory)")
             continue
@@ -141,6 +142,27 @@ def retention_block(changes: list[float], confidence: float) -> dict | None:
     return {"docs": len(changes), "mean_change_nats": mean, "lower_nats": lower, "upper_nats": upper}
 
 
+def heldout_block(path: Path) -> dict | None:
+    """An evaluation's own held-out rows (heldout.jsonl), recounted: loss per response token over all of them (sum of
+    weight x NLL / total target weight, as in training) and each row's own, for pairing; None without held-out rows."""
+    rows = read_jsonl(path) if path.is_file() else []
+    if not rows:
+        return None
+    nll, weight = math.fsum(r["nll_sum"] for r in rows), math.fsum(r["target_weight"] for r in rows)
+    return {"docs": len(rows), "loss_per_token": nll / weight,
+            "per_doc": {r["doc_id"]: r["nll_sum"] / r["target_weight"] for r in rows}}
+
+
+def heldout_pair(candidate: dict, control: dict, name: str, confidence: float) -> dict:
+    """Candidate minus control, per held-out row, in nats per response token, with its confidence interval."""
+    if set(candidate["per_doc"]) != set(control["per_doc"]):
+        raise StudyError(f"eval/{name}/heldout.jsonl holds other held-out rows than the candidate's; score both on "
+                         "the same run's sets")
+    diffs = [candidate["per_doc"][i] - control["per_doc"][i] for i in sorted(candidate["per_doc"])]
+    mean, lower, upper = mean_interval(diffs, confidence) if len(diffs) > 1 else (math.fsum(diffs), None, None)
+    return {"control": name, "docs": len(diffs), "mean_nats": mean, "lower_nats": lower, "upper_nats": upper}
+
+
 # ---------------------------------------------------------------- execution
 
 
@@ -208,22 +230,34 @@ def gain_points(candidate: dict, seed: dict) -> Fraction:
 
 
 def quality_screen(candidate: dict, seed: dict, comparisons: list[dict], failed_controls: list[str],
-                   screens: dict) -> dict:
+                   screens: dict, heldout_pairs: list[dict] = ()) -> dict:
+    """Accuracy gain, retention and paired bounds on the cases (task cases and own rows with an expected answer);
+    with an own held-out split, also its loss gain over the seed and a paired bound on it against every control.
+    Without any case (own data whose rows carry no expected answer) the held-out conditions stand in for the
+    accuracy ones."""
     if candidate["status"] != "complete":
         return {"passed": False, "conditions": [{"name": "candidate trained", "passed": False,
                                                  "value": candidate["status"], "rule": "complete"}]}
     retention = candidate.get("retention") or {}
+    conf = f"{screens['confidence']:.0%}"
     conds = [condition("accuracy gain over seed, points", gain_points(candidate, seed),
-                       screens["min_accuracy_gain_points"], ">="),
-             condition(f"retention-change {screens['confidence']:.0%} upper bound, nats",
-                       retention.get("upper_nats"), screens["max_retention_upper_nats"], "<")]
+                       screens["min_accuracy_gain_points"], ">=")] if seed["cases"] else []
+    conds.append(condition(f"retention-change {conf} upper bound, nats", retention.get("upper_nats"),
+                           screens["max_retention_upper_nats"], "<"))
     for c in comparisons:
-        conds.append(condition(f"paired {screens['confidence']:.0%} lower bound vs {c['control']}, points",
+        conds.append(condition(f"paired {conf} lower bound vs {c['control']}, points",
                                c["lower_points"], screens["min_paired_lower_points"], ">"))
+    if seed.get("heldout"):
+        gain = seed["heldout"]["loss_per_token"] - (candidate.get("heldout") or {}).get("loss_per_token", math.nan)
+        conds.append(condition("held-out loss gain over seed, nats per response token", gain,
+                               screens["min_heldout_gain_nats"], ">"))
+    for c in heldout_pairs:
+        conds.append(condition(f"held-out paired {conf} upper bound vs {c['control']}, nats per response token",
+                               c["upper_nats"], screens["max_heldout_paired_upper_nats"], "<"))
     for name in failed_controls:
         conds.append({"name": f"paired lower bound vs {name}", "value": None, "passed": False,
                       "rule": "control arm must finish"})
-    if not comparisons and not failed_controls:  # noninferiority against nothing is not a pass
+    if not comparisons and not heldout_pairs and not failed_controls:  # noninferiority against nothing is not a pass
         conds.append({"name": "paired lower bound vs a control", "value": None, "passed": False,
                       "rule": "the study must declare at least one control arm"})
     return {"passed": all(c["passed"] for c in conds), "conditions": conds}
@@ -343,7 +377,8 @@ def analyze(study_dir: Path) -> dict:
     seed_rows = read_jsonl(study_dir / "eval" / "seed" / "cases.jsonl")
     seed_retention = read_jsonl(study_dir / "eval" / "seed" / "retention.jsonl")
     seed = {"name": "seed", **accuracy_block(seed_rows, conf),
-            "model_files": read_json(study_dir / "eval" / "seed" / "summary.json")["model_files"]}
+            "model_files": read_json(study_dir / "eval" / "seed" / "summary.json")["model_files"],
+            "heldout": heldout_block(study_dir / "eval" / "seed" / "heldout.jsonl")}
     arms, case_rows = [], {}
     for spec in study["arms"]:
         arm = {"name": spec["name"], "ranks": spec["ranks"], "ds_config": spec["ds_config"], "status": spec["status"],
@@ -359,13 +394,14 @@ def analyze(study_dir: Path) -> dict:
                        model_files=read_json(eval_dir / "summary.json")["model_files"],
                        retention=retention_block(retention_changes(eval_dir / "retention.jsonl", read_jsonl(
                            eval_dir / "retention.jsonl"), seed_retention), conf),
+                       heldout=heldout_block(eval_dir / "heldout.jsonl"),
                        execution=execution_block(run_dir, spec["ranks"], screens["network_usd_per_gb"], spec),
                        metrics=read_jsonl(run_dir / "metrics.jsonl"))
         else:
             arm.update(parameter_root=None, accuracy=None, per_family=None)
         arms.append(arm)
     candidate = next(a for a in arms if a["name"] == study["candidate"])
-    comparisons, failed_controls = [], []
+    comparisons, failed_controls, heldout_pairs = [], [], []
     for arm in arms:
         if arm["name"] == candidate["name"]:
             continue
@@ -373,6 +409,10 @@ def analyze(study_dir: Path) -> dict:
             failed_controls.append(arm["name"])
             continue
         if candidate["status"] != "complete":
+            continue
+        if candidate.get("heldout") and arm.get("heldout"):
+            heldout_pairs.append(heldout_pair(candidate["heldout"], arm["heldout"], arm["name"], conf))
+        if not seed["cases"]:  # own data without expected answers: no case to pair
             continue
         cand = {r["case_id"]: r["correct"] for r in case_rows[candidate["name"]]}
         ctrl = {r["case_id"]: r["correct"] for r in case_rows[arm["name"]]}
@@ -394,7 +434,7 @@ def analyze(study_dir: Path) -> dict:
         quality = cohort_screen(candidate, case_rows.get(candidate["name"], []), seed_rows,
                                 first_cohort_families(study) if candidate["status"] == "complete" else [], screens)
     else:
-        quality = quality_screen(candidate, seed, comparisons, failed_controls, screens)
+        quality = quality_screen(candidate, seed, comparisons, failed_controls, screens, heldout_pairs)
     speed = speed_screen(arms, study["candidate"], study["speed_baseline"], screens, study.get("placement"))
     return {
         "exploratory": exploratory, "exploratory_reasons": exploratory_reasons,
@@ -404,7 +444,8 @@ def analyze(study_dir: Path) -> dict:
         "plan_sha256": study["plan_sha256"], "candidate": study["candidate"],
         "speed_baseline": study["speed_baseline"], "screens_declared": screens,
         "validation": study.get("validation"), "placement": study.get("placement"), "warm_up": study.get("warm_up"),
-        "seed": seed, "arms": arms, "comparisons": comparisons, "provenance": provenance,
+        "seed": seed, "arms": arms, "comparisons": comparisons, "heldout_comparisons": heldout_pairs,
+        "provenance": provenance,
         "screens": {"quality": {**quality, "evidence": evidence}, "speed": {**speed, "evidence": evidence}},
     }
 
@@ -425,13 +466,17 @@ def learning_table(results: dict) -> str:
     head = "| Fresh task cases | " + " | ".join(m["name"] for m in models) + " |"
     lines = [head, "|" + "---|" * (len(models) + 1)]
     n = results["seed"]["cases"]
-    lines.append(f"| Correct / {n:,} | " + " | ".join(
-        "failed" if m.get("status", "complete") != "complete" else str(m["correct"]) for m in models) + " |")
-    lines.append("| Accuracy | " + " | ".join(_pct(m.get("accuracy")) for m in models) + " |")
+    if n:  # own data whose rows carry no expected answer has no case
+        lines.append(f"| Correct / {n:,} | " + " | ".join(
+            "failed" if m.get("status", "complete") != "complete" else str(m["correct"]) for m in models) + " |")
+        lines.append("| Accuracy | " + " | ".join(_pct(m.get("accuracy")) for m in models) + " |")
     for fam, block in results["seed"]["per_family"].items():
         title = FAMILY_TITLES.get(fam, fam)
         cells = [str(m["per_family"][fam]["correct"]) if m.get("per_family") else "—" for m in models]
         lines.append(f"| {title} / {block['cases']:,} | " + " | ".join(cells) + " |")
+    if results["seed"].get("heldout"):
+        lines.append(f"| Own held-out loss per response token ({results['seed']['heldout']['docs']} rows), nats | "
+                     + " | ".join(_num((m.get("heldout") or {}).get("loss_per_token"), "{:.6f}") for m in models) + " |")
     conf = f"{results['screens_declared']['confidence']:.0%}"
     ret = [None] + [a.get("retention") for a in results["arms"]]
     lines.append("| Mean retention-loss change, nats | " + " | ".join(

@@ -437,3 +437,37 @@ def test_the_commitment_anchor_goes_into_the_results_and_one_for_another_record_
     (root / "anchor.json").write_text(json.dumps({**anchor, "record_sha256": "0" * 64}))
     err = refused(root)
     assert "anchor.json anchors record 0000000000000000, not commitment.json's" in err
+
+
+def own_data_study(root: Path, candidate_shift: float) -> Path:
+    """A study on own data whose held-out rows carry no expected answer: no case, only held-out losses (the seed's
+    0.5 nats per response token, every trained arm's 0.3, the candidate's shifted per row by candidate_shift)."""
+    root = make_study(root, candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
+    study = json.loads((root / "study.json").read_text())
+    study["screens"] = {**SCREENS, "min_heldout_gain_nats": 0.0, "max_heldout_paired_upper_nats": 0.02}
+    (root / "study.json").write_text(json.dumps(study))
+    for name in ("seed", "one-rank", "dense", "powersgd"):
+        d = root / "eval" / name
+        write_jsonl(d / "cases.jsonl", [])
+        loss = 0.5 if name == "seed" else 0.3 + (candidate_shift if name == "powersgd" else 0.0)
+        write_jsonl(d / "heldout.jsonl", [{"doc_id": f"h{i}", "nll_sum": 20 * (loss + 0.01 * (i % 3)),
+                                           "target_weight": 20.0} for i in range(12)])
+    return root
+
+
+def test_a_study_on_own_data_is_screened_on_held_out_loss(tmp_path):
+    results = write_outputs(own_data_study(tmp_path / "good", 0.0))
+    quality = results["screens"]["quality"]
+    assert quality["passed"], quality["conditions"]
+    names = [c["name"] for c in quality["conditions"]]
+    assert "accuracy gain over seed, points" not in names and not results["comparisons"]
+    assert "held-out loss gain over seed, nats per response token" in names
+    assert results["seed"]["heldout"]["loss_per_token"] == pytest.approx(0.51)
+    report = (tmp_path / "good" / "report.md").read_text()
+    assert "| Own held-out loss per response token (12 rows), nats | 0.510000 | 0.310000 |" in report
+    assert "| Correct /" not in report
+    # 0.05 nats per token worse than both controls on every row: still better than the seed, but not noninferior.
+    worse = analyze(own_data_study(tmp_path / "worse", 0.05))
+    assert failed_conditions(worse, "quality") == [
+        "held-out paired 99% upper bound vs one-rank, nats per response token",
+        "held-out paired 99% upper bound vs dense, nats per response token"]

@@ -56,6 +56,38 @@ def test_conversation_without_assistant_turn(tmp_path):
     assert f"{bad}:3" in msg and "no assistant turn" in msg
 
 
+CHAT = (REPO / "launch/plans/tiny-chat.toml").read_text()
+
+
+def chat_lines(edit_line: int, line: str) -> list[str]:
+    lines = (REPO / "launch/data/chat_train.jsonl").read_text().splitlines()
+    lines[edit_line - 1] = line
+    return lines
+
+
+@pytest.mark.parametrize("suffix, line, fragments", [
+    (".jsonl", json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}),
+     [":3: messages[1] must have exactly the keys 'role' and 'content'"]),
+    (".jsonl", '{"messages": [{"role": "user", "content": "hi"}', [":3: not valid JSON"]),
+    (".parquet", json.dumps({"messages": [{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "x"}]}),
+     [" row 3: messages[0].role='robot'"]),
+    (".parquet", json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}],
+                             "weight": -1.0}), [" row 3: field 'weight' must be a positive number"]),
+])
+def test_a_malformed_chat_row_is_refused_naming_the_file_line_and_field(tmp_path, suffix, line, fragments):
+    jsonl = tmp_path / "train.jsonl"
+    jsonl.write_text("\n".join(chat_lines(3, line)) + "\n")
+    path = jsonl
+    if suffix == ".parquet":  # the same rows written by datasets
+        import datasets
+
+        path = tmp_path / "train.parquet"
+        datasets.load_dataset("json", data_files=str(jsonl), split="train",
+                              cache_dir=str(tmp_path / "hf")).to_parquet(str(path))
+    msg = train_cli(tmp_path, CHAT.replace('"launch/data/chat_train.jsonl"', f'"{path}"'))
+    assert str(path) in msg and all(f in msg for f in fragments), msg
+
+
 def test_bad_ds_config(tmp_path):
     cfg = json.loads((REPO / "ds_configs/dense.json").read_text())
     cfg["nshard"] = {"reducer": "powersgd", "rank": 0}
@@ -87,6 +119,8 @@ def test_hostfile_line_that_does_not_parse(tmp_path):
                                       "study.validate_regenerate_batches"),
                                      ({"study": {"arms": [{"name": "a", "keep_state": "yes"}], "candidate": "a",
                                                  "speed_baseline": "a"}}, "study.arms[0].keep_state"),
+                                     ({"data": {"chat_train": "mine.jsonl"}}, "data.chat_heldout"),
+                                     ({"data": {"families": []}}, "data.families"),
                                      ({"study": {"store": "s3://Bad_Bucket/p"}}, "study.store"),
                                      ({"study": {"store": "ftp://host/dir"}}, "study.store")])
 def test_plan_validation_names_the_key(bad, key):

@@ -28,11 +28,13 @@ class DataError(ValueError):
 class Document:
     doc_id: str
     kind: str
-    """'task' or 'replay'."""
+    """'task', 'replay', 'chat' (own training rows) or 'heldout' (own held-out rows, never trained)."""
     family: str
-    """Task family, or 'replay'."""
+    """Task family, 'replay' or 'chat'."""
     messages: tuple[dict, ...]
     response_weight: float
+    expected: str | None = None
+    """A held-out row's expected answer (its "expected" field): scored by greedy exact match."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,10 @@ class Prepared:
     doc_id: str
     input_ids: list[int]
     weights: list[float]
+    prompt_ids: list[int] | None = None
+    """A held-out row with an expected answer: the model input its greedy answer continues (the turns before its
+    last assistant turn, then the assistant header)."""
+    expected: str | None = None
 
     @property
     def target_weight(self) -> float:
@@ -216,7 +222,8 @@ def prepared_identity(prepared: list[Prepared], schedule: list[list[int]], extra
     """SHA-256 over a canonical serialization: same plan, same identity, on any machine and world size."""
     h = hashlib.sha256()
     for p in prepared:
-        h.update(json.dumps([p.doc_id, p.input_ids, [repr(float(w)) for w in p.weights]],
+        answer = [] if p.prompt_ids is None else [p.prompt_ids, p.expected]  # task and replay identities unchanged
+        h.update(json.dumps([p.doc_id, p.input_ids, [repr(float(w)) for w in p.weights], *answer],
                             separators=(",", ":")).encode())
         h.update(b"\n")
     h.update(json.dumps({"schedule": schedule, **extra}, sort_keys=True, separators=(",", ":")).encode())
@@ -229,33 +236,50 @@ def write_prepared(out: Path, docs: list[Document], prepared: list[Prepared], sc
     """Write prepared/ (documents.jsonl, schedule.json, sets.json, identity.json); identity.json last marks it complete."""
     out.mkdir(parents=True, exist_ok=True)
     write_jsonl_atomic(out / "documents.jsonl", ({"doc_id": d.doc_id, "kind": d.kind, "family": d.family,
-                                                  "input_ids": p.input_ids, "weights": p.weights}
+                                                  "input_ids": p.input_ids, "weights": p.weights,
+                                                  **({} if p.prompt_ids is None else
+                                                     {"prompt_ids": p.prompt_ids, "expected": p.expected})}
                                                  for d, p in zip(docs, prepared)))
     write_json_atomic(out / "schedule.json", schedule)
     write_json_atomic(out / "sets.json", extra)
     write_json_atomic(out / "identity.json", {"prepared_identity": identity})
 
 
-def prepare(plan: Plan, tokenizer, replay: list[Document], with_replay: bool = True
+def prepare(plan: Plan, tokenizer, replay: list[Document], with_replay: bool = True, chat=None
             ) -> tuple[list[Document], list[Prepared], list[list[int]], dict, str]:
     """Build the training documents, tokenize them and fix the schedule; returns (docs, prepared, schedule, sets, identity).
     A second cohort ([cohort]) adds its share of the first cohort's training cases to training, fresh cases of the
     first cohort's families to evaluation, and what it continues from to the sets (so the identity covers them).
-    with_replay=False (a no-replay control; `replay` is then empty): none of the first cohort's cases either."""
+    with_replay=False (a no-replay control; `replay` is then empty): none of the first cohort's cases either.
+    chat: the plan's own conversations (nshard.run.chat.chat_data), given exactly when data.chat_train is set; its
+    training rows join the task cases, its held-out rows follow every training document (the schedule never
+    names them) and its files' hashes join the sets."""
     d = plan.data
+    if bool(d.chat_train) != (chat is not None):
+        raise DataError("data.chat_train and the chat data given to prepare disagree: pass "
+                        "nshard.run.chat.chat_data(plan, tokenizer) exactly when the plan names own data")
     train_cases, eval_cases = tasks.split_cases(list(d.families), d.seed, d.eval_seed,
                                                 d.train_cases_per_family, d.eval_cases_per_family)
     cohort_sets = {}
     if plan.cohort.enabled:
         replayed, cohort_eval, cohort_sets = first_cohort(plan, train_cases, eval_cases, with_replay)
         train_cases, eval_cases = train_cases + replayed, eval_cases + cohort_eval
-    docs = task_documents(train_cases, d.task_response_weight) + replay
-    if len({doc.doc_id for doc in docs}) != len(docs):
-        raise DataError("two training documents share an id (a replay id equal to a case id?); make ids unique")
-    prepared = [tokenize(tokenizer, doc, plan.model.max_length) for doc in docs]
+    tasks_docs = task_documents(train_cases, d.task_response_weight)
+    docs = tasks_docs + (chat.train if chat else []) + replay
+    heldout = chat.heldout if chat else []
+    if len({doc.doc_id for doc in docs + heldout}) != len(docs + heldout):
+        raise DataError("two documents share an id (a replay or chat row id equal to a case id, or to another "
+                        "row's?); make ids unique")
+    prepared = [tokenize(tokenizer, doc, plan.model.max_length) for doc in tasks_docs]
+    prepared += (chat.train_prepared if chat else []) + [tokenize(tokenizer, doc, plan.model.max_length) for doc in replay]
+    if chat and plan.train.global_batch_docs > len(docs):  # without own data the plan checked the count
+        raise DataError(f"train.global_batch_docs={plan.train.global_batch_docs} exceeds the {len(docs)} training "
+                        "documents: lower it or add rows to data.chat_train")
     schedule = batch_schedule(len(docs), plan.train.updates, plan.train.global_batch_docs, d.seed)
     sets = {"eval_case_ids": [c.case_id for c in eval_cases],
-            "retention_ids": retention_ids(replay, d.retention_docs, d.seed), **cohort_sets}
+            "retention_ids": retention_ids(replay, d.retention_docs, d.seed), **cohort_sets,
+            **({"chat": chat.sets()} if chat else {})}
+    docs, prepared = docs + heldout, prepared + (chat.heldout_prepared if chat else [])
     return docs, prepared, schedule, sets, prepared_identity(prepared, schedule, sets)
 
 

@@ -48,7 +48,7 @@ class DataSection:
     eval_seed: int = 1_000_003
     """Seeds the fresh evaluation cases; must differ from `seed` so case IDs never overlap."""
     families: tuple[str, ...] = ("lookup", "filtering", "sorting", "invoice")
-    """Task families to train and evaluate on."""
+    """Task families to train and evaluate on; [] with chat_train: your own conversations alone."""
     train_cases_per_family: int = 16
     eval_cases_per_family: int = 8
     replay_docs: int = 16
@@ -59,6 +59,14 @@ class DataSection:
     """Retention probes, drawn from the replay documents that training sees (the study used 128)."""
     task_response_weight: float = 1.0
     replay_response_weight: float = 1.0
+    chat_train: str = ""
+    """Your own conversations to train on (nshard/run/chat.py): a JSONL of {"messages": [{"role", "content"}...]}
+    lines, a .parquet file, or a directory written by `datasets`' save_to_disk; empty: none."""
+    chat_heldout: str = ""
+    """The declared held-out split of chat_train (same formats), never trained: scored for loss per response
+    token, and greedy exact match on its rows with an "expected" answer. Required with chat_train."""
+    chat_response_weight: float = 1.0
+    """Weight of each assistant token of a chat row without its own "weight"."""
 
     def __post_init__(self):
         from nshard.tasks import FAMILIES
@@ -66,8 +74,13 @@ class DataSection:
         for family in self.families:
             if family not in FAMILIES:
                 raise PlanError(f"data.families: unknown family {family!r}; choose from {sorted(FAMILIES)}")
-        if not self.families:
-            raise PlanError("data.families is empty: name at least one task family")
+        if bool(self.chat_train) != bool(self.chat_heldout):
+            given, missing = ("chat_train", "chat_heldout") if self.chat_train else ("chat_heldout", "chat_train")
+            raise PlanError(f"data.{given} is set but data.{missing} is not: own data needs both a training split and "
+                            "a declared held-out split (the same formats); set both or neither")
+        if not self.families and not self.chat_train:
+            raise PlanError("data.families is empty: name at least one task family, or give data.chat_train and "
+                            "data.chat_heldout (your own conversations)")
         if len(set(self.families)) != len(self.families):
             raise PlanError("data.families lists a family twice: name each once")
         if self.eval_seed == self.seed:
@@ -83,6 +96,7 @@ class DataSection:
             )
         _positive("data.task_response_weight", self.task_response_weight)
         _positive("data.replay_response_weight", self.replay_response_weight)
+        _positive("data.chat_response_weight", self.chat_response_weight)
 
 
 @dataclass(frozen=True)
@@ -113,6 +127,12 @@ class ScreensSection:
     confidence: float = 0.99
     network_usd_per_gb: float = 0.02
     """Price of one transmitted GB (10^9 bytes), for the network cost of each arm."""
+    min_heldout_gain_nats: float = 0.0
+    """With own data (data.chat_heldout): the candidate's held-out loss per response token must lie more than this
+    below the seed's."""
+    max_heldout_paired_upper_nats: float = 0.02
+    """With own data: the upper confidence bound of the candidate's per-document held-out loss minus each control's,
+    nats per response token, must lie below this (noninferiority on held-out loss)."""
 
     def __post_init__(self):
         if not 0.5 < self.confidence < 1.0:
@@ -297,7 +317,8 @@ class Plan:
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
             raise PlanError(f"name={self.name!r}: use letters, digits, '-', '_' or '.' (it names the run directory)")
         n_train = self.train_documents()
-        if self.train.global_batch_docs > n_train:
+        # With own data the count is known once its files are read (nshard.run.data.prepare checks it then).
+        if self.train.global_batch_docs > n_train and not self.data.chat_train:
             raise PlanError(
                 f"train.global_batch_docs={self.train.global_batch_docs} exceeds the {n_train} training "
                 "documents: lower it or add cases/replay documents"
@@ -326,7 +347,9 @@ def load_plan(path: str | Path) -> Plan:
         raise PlanError(f"plan file {path} is not valid TOML: {exc}") from None
     plan = plan_from_dict(raw, default_name=path.stem)
     # Files the plan names are found from any working directory (a study run outside the checkout included).
-    data = dataclasses.replace(plan.data, replay_file=str(find_beside(plan.data.replay_file, path)))
+    data = dataclasses.replace(plan.data, replay_file=str(find_beside(plan.data.replay_file, path)),
+                               chat_train=str(find_beside(plan.data.chat_train, path)),
+                               chat_heldout=str(find_beside(plan.data.chat_heldout, path)))
     study = dataclasses.replace(plan.study, hostfile=str(find_beside(plan.study.hostfile, path)),
                                 store=resolve_store(plan.study.store, path))
     cohort = plan.cohort

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from nshard.run import chat as chat_mod
 from nshard.run import data as data_mod
 from nshard.run import device as device_mod
 from nshard.seam import engine as engine_mod
@@ -58,11 +59,13 @@ def preflight(plan: Plan, ds_config: dict, world_size: int) -> dict:
     Returns the ds_config completed from the plan, which the run then uses as it is."""
     from nshard.seam.ds_config import check_optimizer_path, complete_ds_config
     from nshard.run.models import resolve_model
+    from nshard.run.chat import check_chat_source
     from nshard.run.replay import check_replay_source
 
     if plan.model.spec != "embedded" and not plan.model.spec.startswith("tiny"):
         resolve_model(plan.model.spec)
     check_replay_source(plan)
+    check_chat_source(plan)
     check_optimizer_path(ds_config, device_mod.cuda_available())
     return complete_ds_config(ds_config, plan, world_size)
 
@@ -101,8 +104,11 @@ def prepare_inputs(run: Run, tokenizer, model_ref):
     if run.replay:
         on_main_rank_long(run, replay_documents, run.plan, model_ref, tokenizer, placement)
         replay = replay_documents(run.plan, model_ref, tokenizer, placement)
+    if run.plan.data.chat_train:  # rank 0 tokenizes own data once into the cache; the others then read it
+        on_main_rank_long(run, warm_chat, run.plan, tokenizer)
     try:
-        prepared_all = data_mod.prepare(run.plan, tokenizer, replay, with_replay=run.replay)
+        prepared_all = data_mod.prepare(run.plan, tokenizer, replay, with_replay=run.replay,
+                                        chat=chat_mod.chat_data(run.plan, tokenizer))
         error = None
     except data_mod.DataError as exc:
         prepared_all, error = None, str(exc)
@@ -113,6 +119,13 @@ def prepare_inputs(run: Run, tokenizer, model_ref):
     if len(set(identities)) != 1:
         raise RunError(f"ranks prepared different inputs: {identities}; check every host has the same files")
     return prepared_all
+
+
+def warm_chat(plan: Plan, tokenizer) -> None:
+    try:
+        chat_mod.chat_data(plan, tokenizer)
+    except data_mod.DataError:
+        pass  # every rank reports it in prepare_inputs, as one error
 
 
 def train_update(engine, seam, run: Run, prepared, batch: list[int], pad_id: int) -> float:

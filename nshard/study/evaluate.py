@@ -1,10 +1,12 @@
-"""Score one model on a run's prepared sets: greedy answers on the fresh cases, loss on the retention documents.
+"""Score one model on a run's prepared sets: greedy answers on the fresh cases, loss on the retention documents;
+with own data, loss per response token on the held-out rows and greedy exact match on those with an expected answer.
 
     python -m nshard.study.evaluate --run RUN_DIR --model MODEL_DIR --label NAME --out EVAL_DIR \
         (--commitment COMMITMENT.json | --exploratory) [--seed-eval SEED_EVAL_DIR]
 
-Writes EVAL_DIR/cases.jsonl (one line per case), retention.jsonl (one line per retention document)
-and summary.json, written last: a directory without summary.json was not finished.
+Writes EVAL_DIR/cases.jsonl (one line per case; an own held-out row with an expected answer is a case of family
+"chat"), retention.jsonl (one line per retention document), heldout.jsonl (one line per own held-out row) and
+summary.json, written last: a directory without summary.json was not finished.
 """
 
 from __future__ import annotations
@@ -35,6 +37,27 @@ class RunSets:
     prepared_identity: str
     cases: list
     retention: list[dict]
+    heldout: list[dict] = ()
+    """Own held-out rows (tokens, weights; prompt_ids and expected where the row carries an answer)."""
+
+    @property
+    def answers(self) -> list[dict]:
+        """The held-out rows scored by greedy exact match."""
+        return [d for d in self.heldout if d.get("prompt_ids") is not None]
+
+
+def exact_match(text: str, expected: str) -> bool:
+    """An own row's greedy answer against its expected answer, both stripped of surrounding whitespace."""
+    return text.strip() == expected.strip()
+
+
+def heldout_summary(rows: list[dict]) -> dict | None:
+    """Loss per response token over the held-out rows, normalized as in training: sum of weight x NLL over all rows
+    divided by their total target weight."""
+    if not rows:
+        return None
+    nll, weight = math.fsum(r["nll_sum"] for r in rows), math.fsum(r["target_weight"] for r in rows)
+    return {"docs": len(rows), "nll_sum": nll, "target_weight": weight, "loss_per_token": nll / weight}
 
 
 def case_from_id(case_id: str):
@@ -56,7 +79,8 @@ def load_run_sets(run_dir: Path) -> RunSets:
     identity = json.loads((prepared / "identity.json").read_text())["prepared_identity"]
     sets = json.loads((prepared / "sets.json").read_text())
     cases = [case_from_id(c) for c in sets["eval_case_ids"]]
-    wanted = set(sets["retention_ids"])
+    heldout_ids = (sets.get("chat") or {}).get("heldout_ids", [])
+    wanted = set(sets["retention_ids"]) | set(heldout_ids)
     docs = {}
     with (prepared / "documents.jsonl").open() as f:
         for line in f:
@@ -65,8 +89,8 @@ def load_run_sets(run_dir: Path) -> RunSets:
                 docs[d["doc_id"]] = d
     missing = wanted - set(docs)
     if missing:
-        raise EvalError(f"retention document {sorted(missing)[0]} is not in {prepared}/documents.jsonl")
-    return RunSets(identity, cases, [docs[i] for i in sets["retention_ids"]])
+        raise EvalError(f"retention or held-out document {sorted(missing)[0]} is not in {prepared}/documents.jsonl")
+    return RunSets(identity, cases, [docs[i] for i in sets["retention_ids"]], [docs[i] for i in heldout_ids])
 
 
 def run_placement(run_dir: Path):
@@ -184,15 +208,19 @@ def score_model(label: str, model_dir: Path, run_dir: Path, out: Path, *, commit
     placement = run_placement(run_dir)
     model = load_for_inference(ref, placement)
     t0 = time.perf_counter()
-    inputs = [prompt_ids(tokenizer, c) for c in sets.cases]
+    inputs = [prompt_ids(tokenizer, c) for c in sets.cases] + [d["prompt_ids"] for d in sets.answers]
     generated = generate_answers(model, tokenizer, inputs, max_new_tokens, batch_size, desc=f"{label}: answers")
     generate_s = time.perf_counter() - t0
     case_rows = []
-    for case, ids, gen in zip(sets.cases, inputs, generated):
+    for case, ids, gen in zip(sets.cases + sets.answers, inputs, generated):
         text = tokenizer.decode(gen, skip_special_tokens=True)
-        case_rows.append({"case_id": case.case_id, "family": case.family, "prompt": tasks.prompt(case),
-                          "input_ids": ids, "generated_text": text, "generated_ids": gen,
-                          "expected": tasks.answer(case), "correct": tasks.score(case, text),
+        if isinstance(case, dict):  # an own held-out row with an expected answer
+            row = {"case_id": case["doc_id"], "family": "chat", "prompt": None, "expected": case["expected"],
+                   "correct": exact_match(text, case["expected"])}
+        else:
+            row = {"case_id": case.case_id, "family": case.family, "prompt": tasks.prompt(case),
+                   "expected": tasks.answer(case), "correct": tasks.score(case, text)}
+        case_rows.append({**row, "input_ids": ids, "generated_text": text, "generated_ids": gen,
                           "exploratory": exploratory})
     t1 = time.perf_counter()
     retention = retention_losses(model, sets.retention, desc=f"{label}: retention")
@@ -202,6 +230,9 @@ def score_model(label: str, model_dir: Path, run_dir: Path, out: Path, *, commit
             row["seed_nll_sum"] = seed["nll_sum"]
             row["change_nats_per_token"] = (row["nll_sum"] - seed["nll_sum"]) / row["target_weight"]
         row["exploratory"] = exploratory
+    heldout = retention_losses(model, sets.heldout, desc=f"{label}: held-out")
+    for row in heldout:
+        row["exploratory"] = exploratory
     retention_s = time.perf_counter() - t1
 
     out = Path(out)
@@ -209,6 +240,7 @@ def score_model(label: str, model_dir: Path, run_dir: Path, out: Path, *, commit
     (out / "summary.json").unlink(missing_ok=True)  # the old summary must not vouch for new lines
     write_jsonl_atomic(out / "cases.jsonl", case_rows)
     write_jsonl_atomic(out / "retention.jsonl", retention)
+    write_jsonl_atomic(out / "heldout.jsonl", heldout)
     per_family = {}
     for row in case_rows:
         fam = per_family.setdefault(row["family"], {"correct": 0, "cases": 0})
@@ -217,7 +249,8 @@ def score_model(label: str, model_dir: Path, run_dir: Path, out: Path, *, commit
     summary = {"label": label, "model_dir": str(model_dir), "model_files": files,
                "prepared_identity": sets.prepared_identity, "run_dir": str(run_dir), **committed,
                "cases": len(case_rows), "correct": sum(r["correct"] for r in case_rows), "per_family": per_family,
-               "retention_docs": len(retention), "max_new_tokens": max_new_tokens, "batch_size": batch_size,
+               "retention_docs": len(retention), "heldout": heldout_summary(heldout),
+               "max_new_tokens": max_new_tokens, "batch_size": batch_size,
                "generate_s": generate_s, "retention_s": retention_s,
                "device": placement.device, "dtype": placement.dtype,
                "with_seed_retention": seed_eval is not None}
@@ -246,7 +279,8 @@ def main(argv=None) -> int:
     except (EvalError, CommitError, OSError) as exc:
         print(f"nshard.study.evaluate: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps({k: summary[k] for k in ("label", "cases", "correct", "exploratory")}))
+    print(json.dumps({**{k: summary[k] for k in ("label", "cases", "correct", "exploratory")},
+                      "heldout_loss_per_token": (summary["heldout"] or {}).get("loss_per_token")}))
     return 0
 
 

@@ -257,7 +257,7 @@ def arm_placements(plan: Plan, plan_path: Path) -> list:
 
 def prepare_shared_caches(plan: Plan, plan_path: Path) -> None:
     """One-time work that no arm should pay inside its timed process: the model conversion, the seed
-    model's replay answers, DeepSpeed's CPU collective build. The first arm would otherwise carry it."""
+    model's replay answers, own data's tokens, DeepSpeed's CPU collective build. The first arm would otherwise carry it."""
     import torch
 
     from nshard.run.cohort import start_model_spec
@@ -268,6 +268,10 @@ def prepare_shared_caches(plan: Plan, plan_path: Path) -> None:
     ref = resolve_model(start_model_spec(plan))
     for placement in arm_placements(plan, plan_path):  # where each arm's rank 0 will look for them
         replay_documents(plan, ref, load_tokenizer(ref), placement)
+    if plan.data.chat_train:  # own data: checked and tokenized once, before any arm's timed process
+        from nshard.run.chat import chat_data
+
+        chat_data(plan, load_tokenizer(ref))
     if not torch.cuda.is_available():
         from nshard.seam.engine import build_cpu_comm_extension
 
@@ -444,13 +448,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from nshard.evidence.commit import CommitError
     from nshard.study.evaluate import EvalError
+    from nshard.run.data import DataError
     from nshard.run.hostfile import HostfileError
     from nshard.study.validate import ValidationError
 
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     try:
         results = run_study(args.plan, args.out, args.exploratory)
-    except (PlanError, StudyError, CommitError, EvalError, ValidationError, HostfileError, ArchiveError,
+    except (PlanError, DataError, StudyError, CommitError, EvalError, ValidationError, HostfileError, ArchiveError,
             placement_mod.PlacementError, OSError) as exc:
         print(f"nshard.study: error: {exc}", file=sys.stderr)
         return 2

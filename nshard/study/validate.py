@@ -30,7 +30,8 @@ import sys
 from pathlib import Path
 
 from nshard import tasks
-from nshard.study.evaluate import EvalError, case_from_id, load_run_sets, prompt_ids, read_jsonl
+from nshard.study.evaluate import (EvalError, case_from_id, exact_match, heldout_summary, load_run_sets, prompt_ids,
+                                   read_jsonl)
 
 
 class ValidationError(RuntimeError):
@@ -53,8 +54,27 @@ def _contains(haystack: list[int], needle: list[int]) -> bool:
     return n > 0 and any(haystack[i:i + n] == needle for i in range(len(haystack) - n + 1))
 
 
-def check_cases(label: str, rows: list[dict], case_ids: list[str], tokenizer) -> dict:
-    """Every stored case line against a fresh rebuild; returns the recounted totals."""
+def check_answer(label: str, row: dict, answer: dict, tokenizer) -> bool:
+    """An own held-out row's stored line against its prepared document (input, expected answer); returns the
+    re-scored exact match."""
+    cid = row["case_id"]
+    if row.get("family") != "chat" or row.get("expected") != answer["expected"]:
+        _fail(label, cid, f"stored family or expected answer {row.get('expected')!r} differs from the prepared "
+                          f"row's {answer['expected']!r}")
+    if row.get("input_ids") != answer["prompt_ids"]:
+        _fail(label, cid, "stored input ids differ from the prepared row's prompt")
+    decoded = tokenizer.decode(row.get("generated_ids", []), skip_special_tokens=True)
+    if decoded != row.get("generated_text"):
+        _fail(label, cid, f"stored token ids decode to {decoded!r}, not the stored text {row.get('generated_text')!r}")
+    correct = exact_match(decoded, answer["expected"])
+    if correct != row.get("correct"):
+        _fail(label, cid, f"re-scoring gives correct={correct}, the file says {row.get('correct')}")
+    return correct
+
+
+def check_cases(label: str, rows: list[dict], case_ids: list[str], tokenizer, answers: dict | None = None) -> dict:
+    """Every stored case line against a fresh rebuild (an own held-out row: against its prepared document);
+    returns the recounted totals."""
     seen = [r.get("case_id") for r in rows]
     if seen != case_ids:
         missing = sorted(set(case_ids) - set(seen))
@@ -64,6 +84,11 @@ def check_cases(label: str, rows: list[dict], case_ids: list[str], tokenizer) ->
     per_family: dict[str, dict] = {}
     for row in rows:
         cid = row["case_id"]
+        if cid in (answers or {}):
+            fam = per_family.setdefault("chat", {"correct": 0, "cases": 0})
+            fam["cases"] += 1
+            fam["correct"] += check_answer(label, row, answers[cid], tokenizer)
+            continue
         case = case_from_id(cid)
         if row.get("family") != case.family or row.get("prompt") != tasks.prompt(case):
             _fail(label, cid, "stored family or prompt differs from the case rebuilt from its ID")
@@ -87,12 +112,14 @@ def check_cases(label: str, rows: list[dict], case_ids: list[str], tokenizer) ->
     return per_family
 
 
-def check_retention(label: str, rows: list[dict], retention: list[dict], seed_rows: dict | None) -> None:
-    """IDs, finiteness and target weights of every row; with the seed's rows, each change is recomputed."""
+def check_retention(label: str, rows: list[dict], retention: list[dict], seed_rows: dict | None,
+                    what: str = "retention") -> None:
+    """IDs, finiteness and target weights of every row; with the seed's rows, each change is recomputed.
+    what="heldout": the same checks on an own held-out split's rows."""
     if [r.get("doc_id") for r in rows] != [d["doc_id"] for d in retention]:
-        _fail(label, "retention.jsonl", "retention document IDs differ from the run's retention set")
+        _fail(label, f"{what}.jsonl", f"{what} document IDs differ from the run's {what} set")
     for row, doc in zip(rows, retention):
-        where = f"retention {doc['doc_id']}"
+        where = f"{what} {doc['doc_id']}"
         if not math.isfinite(row.get("nll_sum", math.nan)):
             _fail(label, where, f"loss {row.get('nll_sum')} is not finite")
         weight = math.fsum(doc["weights"][1:])
@@ -128,7 +155,7 @@ def stored_identity(run_dir: Path) -> str:
     docs = [json.loads(line) for line in (prepared / "documents.jsonl").read_text().splitlines() if line.strip()]
     schedule = json.loads((prepared / "schedule.json").read_text())
     sets = json.loads((prepared / "sets.json").read_text())
-    rows = [Prepared(d["doc_id"], d["input_ids"], d["weights"]) for d in docs]
+    rows = [Prepared(d["doc_id"], d["input_ids"], d["weights"], d.get("prompt_ids"), d.get("expected")) for d in docs]
     return prepared_identity(rows, schedule, sets)
 
 
@@ -136,6 +163,7 @@ def rebuild_prepared(run_dir: Path, plan_path: Path | None, tokenizer) -> dict:
     """The run's prepared identity three ways: recorded, recomputed from prepared/'s files, rebuilt from the plan."""
     from nshard.files import file_sha256
     from nshard.run import data as data_mod
+    from nshard.run.chat import chat_data
     from nshard.run.cohort import start_model_spec
     from nshard.run.device import run_placement
     from nshard.run.models import resolve_model
@@ -160,7 +188,7 @@ def rebuild_prepared(run_dir: Path, plan_path: Path | None, tokenizer) -> dict:
     ref = resolve_model(start_model_spec(plan))
     ds_config = json.loads((run_dir / "ds_config.json").read_text())
     replay = replay_documents(plan, ref, tokenizer, run_placement(ds_config))
-    *_, sets, rebuilt = data_mod.prepare(plan, tokenizer, replay)
+    *_, sets, rebuilt = data_mod.prepare(plan, tokenizer, replay, chat=chat_data(plan, tokenizer))
     if rebuilt != recorded:
         stored_sets = json.loads((run_dir / "prepared" / "sets.json").read_text())
         what = "its evaluation or retention sets differ" if sets != stored_sets else "its documents or schedule differ"
@@ -249,7 +277,8 @@ def validate(run_dir: Path, tokenizer, eval_dirs: dict[str, Path], *, record: di
         sets = load_run_sets(run_dir)
     except EvalError as exc:
         raise ValidationError(f"validation failed: {exc}") from None
-    case_ids = [c.case_id for c in sets.cases]
+    answers = {d["doc_id"]: d for d in sets.answers}
+    case_ids = [c.case_id for c in sets.cases] + list(answers)
     summaries = {}
     for label, d in eval_dirs.items():
         if not (Path(d) / "summary.json").is_file():
@@ -266,7 +295,7 @@ def validate(run_dir: Path, tokenizer, eval_dirs: dict[str, Path], *, record: di
         if summary.get("prepared_identity") != sets.prepared_identity:
             _fail(label, "summary.json", "scored against another run's prepared sets")
         rows = read_jsonl(d / "cases.jsonl")
-        per_family = check_cases(label, rows, case_ids, tokenizer)
+        per_family = check_cases(label, rows, case_ids, tokenizer, answers)
         if per_family != summary.get("per_family"):
             _fail(label, "summary.json", f"per-family counts {summary.get('per_family')} != recount {per_family}")
         is_seed = label == seed_label
@@ -276,11 +305,17 @@ def validate(run_dir: Path, tokenizer, eval_dirs: dict[str, Path], *, record: di
             _fail(label, "summary.json", "scored without the seed's retention losses; score it with --seed-eval")
         retention_rows = read_jsonl(d / "retention.jsonl")
         check_retention(label, retention_rows, sets.retention, None if is_seed else seed_rows)
+        if sets.heldout:
+            heldout_rows = read_jsonl(d / "heldout.jsonl")
+            check_retention(label, heldout_rows, sets.heldout, None, "heldout")
+            if heldout_summary(heldout_rows) != summary.get("heldout"):
+                _fail(label, "summary.json", f"held-out totals {summary.get('heldout')} != recount "
+                                             f"{heldout_summary(heldout_rows)}")
         if regenerate_batches > 0:
             regenerated[label] = regenerate(label, summary, rows, retention_rows, sets, run_dir, tokenizer,
                                             regenerate_batches)
         report[label] = {"cases": len(case_ids), "correct": sum(f["correct"] for f in per_family.values()),
-                         "retention_docs": len(sets.retention)}
+                         "retention_docs": len(sets.retention), "heldout_docs": len(sets.heldout)}
     out = {"passed": True, "prepared_identity": sets.prepared_identity, "case_ids": len(case_ids),
            "seed": seed_label, "seed_found_by": "record" if record is not None else "label",
            "prepared": prepared, "evaluations": report}
