@@ -141,3 +141,41 @@ def test_a_second_trainer_is_refused_on_every_rank_and_a_killed_one_is_taken_ove
     too_long = launch(tmp_path / "a" / "b" / "run", ds, world=1, plan=plan, check=False, timeout=300)
     assert too_long.returncode != 0 and "model.max_length" in too_long.stderr, too_long.stderr[-3000:]
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("break_it,expect", [
+    (lambda tmp, plan: (tmp / "dense.json").write_text("{not json"), "not valid JSON at line 1"),
+    (lambda tmp, plan: plan.write_text(plan.read_text().replace("ranks = 1", "ranks = 2")
+                                       .replace("[study]\n", f'[study]\nhostfile = "{tmp / "hosts"}"\n')),
+     "has 1 slots but arm one-rank asks for ranks=2"),
+])
+def test_a_study_refused_for_its_ds_config_or_hostfile_leaves_nothing(tmp_path, break_it, expect):
+    plan = one_arm_plan(tmp_path)
+    (tmp_path / "hosts").write_text("localhost slots=1\n")
+    break_it(tmp_path, plan)
+    out = tmp_path / "runs" / "study"
+    proc = subprocess.run(study_cmd(plan, out), cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+    errors = refused_line(proc.stderr, "nshard.study: error:")
+    assert proc.returncode == 2 and len(errors) == 1 and expect in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "runs").exists()
+
+
+def test_another_hosts_lock_refuses_while_its_heartbeat_lives_and_is_taken_over_after(tmp_path):
+    """flock may not reach another host: a record of another boot whose file was touched recently refuses; one whose
+    heartbeat is older than STALE_S is taken over. The record is written as another host's holder would leave it."""
+    from nshard import lock
+
+    out = tmp_path / "run"
+    path = lock.lock_path(out)
+    path.write_text(json.dumps({"pid": 4242, "host": "node-b", "boot_id": "another-boot", "started_at": "T"}))
+    with pytest.raises(lock.LockError, match=r"in use by pid 4242 on host node-b .*heartbeat 0 s old"):
+        lock.acquire(out)
+    assert json.loads(path.read_text())["host"] == "node-b"  # a refusal leaves the holder's record as it was
+    old = time.time() - lock.STALE_S - 5
+    os.utime(path, (old, old))
+    lines = []
+    with lock.acquire(out, note=lines.append) as owned:
+        assert lines == [f"taking over the stale lock {path} of pid 4242 on host node-b (started T): its heartbeat "
+                         "stopped"]
+        assert json.loads(path.read_text())["pid"] == os.getpid() and owned.took_over["host"] == "node-b"
+    assert not path.exists() and not out.exists()
