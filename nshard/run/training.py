@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from nshard.run import chat as chat_mod
+from nshard import lock
 from nshard.run import data as data_mod
 from nshard.run import device as device_mod
 from nshard.seam import engine as engine_mod
@@ -284,7 +285,17 @@ def start_cohort(run: Run, engine, seam) -> dict:
 
 
 def run_training(run: Run, overwrite: bool = False, resume_from: state_mod.ResumePoint | None = None) -> dict:
-    """A fresh run, or (resume_from: a state found by nshard.run.state.find_resumable) one continued from a state."""
+    """A fresh run, or (resume_from: a state found by nshard.run.state.find_resumable) one continued from a state.
+    Rank 0 owns the run directory for the run's life (nshard/lock.py); a run that holds it refuses every rank."""
+    owner = on_main_rank(run, lock.acquire, run.out, note=lambda line: print(f"nshard: {line}", flush=True))
+    try:
+        return train_owned(run, overwrite, resume_from)
+    finally:
+        if owner is not None:
+            owner.release()
+
+
+def train_owned(run: Run, overwrite: bool, resume_from: state_mod.ResumePoint | None) -> dict:
     from nshard.run.models import load_model, load_tokenizer, resolve_model
 
     # Before any CUDA kernel runs: cuBLAS reads its workspace setting when it starts.

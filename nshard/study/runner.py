@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from nshard import lock
 from nshard.evidence.archive import ArchiveError, create_study_archive
 from nshard.files import file_sha256, write_json_atomic
 from nshard.run.device import cuda_available
@@ -59,28 +60,41 @@ def launch_command(arm: ArmSpec, plan: Plan, plan_path: Path, ds_config: Path, r
                    hosts: dict | None = None) -> list[str]:
     """DeepSpeed's own launcher: one rank, N local ranks, the plan's hostfile, or the emulated hosts (the one-rank
     arm on the first, through the same multi-node path, and a two-rank arm across both)."""
+    deepspeed = str(Path(sys.executable).with_name("deepspeed"))
+    return [deepspeed, *launcher_where(arm, plan, hosts), "--master_port", str(port), str(TRAIN_SCRIPT),
+            "--ds_config", str(ds_config), "--plan", str(plan_path), "--out", str(run_dir), "--overwrite",
+            *([] if arm.replay else ["--no-replay"])]
+
+
+def launcher_where(arm: ArmSpec, plan: Plan, hosts: dict | None = None) -> list[str]:
+    """The launcher's placement arguments for one arm (a hostfile that does not fit the arm is refused here)."""
     from nshard.run.hostfile import parse_hostfile
 
-    deepspeed = str(Path(sys.executable).with_name("deepspeed"))
     if hosts is not None:
         if arm.ranks > len(hosts["hosts"]):
             raise StudyError(f"arm {arm.name} asks for ranks={arm.ranks}; the emulated placement has "
                              f"{len(hosts['hosts'])} hosts of one rank each")
-        where = (["--hostfile", str(hosts["first"]), "--force_multi"] if arm.ranks == 1
-                 else ["--hostfile", str(hosts["all"])])
-    elif arm.ranks == 1 or not plan.study.hostfile:
-        where = ["--num_gpus", str(arm.ranks)]
-    else:
-        hosts = parse_hostfile(plan.study.hostfile)
-        if sum(hosts.values()) != arm.ranks:
-            raise StudyError(f"study.hostfile {plan.study.hostfile} has {sum(hosts.values())} slots but arm "
-                             f"{arm.name} asks for ranks={arm.ranks}; make them agree")
-        where = ["--hostfile", plan.study.hostfile]
-        if list(hosts) == ["localhost"]:  # DeepSpeed's plain form would ssh to localhost
-            where += ["--no_ssh_check", "--master_addr", "127.0.0.1"]
-    return [deepspeed, *where, "--master_port", str(port), str(TRAIN_SCRIPT),
-            "--ds_config", str(ds_config), "--plan", str(plan_path), "--out", str(run_dir), "--overwrite",
-            *([] if arm.replay else ["--no-replay"])]
+        return (["--hostfile", str(hosts["first"]), "--force_multi"] if arm.ranks == 1
+                else ["--hostfile", str(hosts["all"])])
+    if arm.ranks == 1 or not plan.study.hostfile:
+        return ["--num_gpus", str(arm.ranks)]
+    slots = parse_hostfile(plan.study.hostfile)
+    if sum(slots.values()) != arm.ranks:
+        raise StudyError(f"study.hostfile {plan.study.hostfile} has {sum(slots.values())} slots but arm "
+                         f"{arm.name} asks for ranks={arm.ranks}; make them agree")
+    where = ["--hostfile", plan.study.hostfile]
+    if list(slots) == ["localhost"]:  # DeepSpeed's plain form would ssh to localhost
+        where += ["--no_ssh_check", "--master_addr", "127.0.0.1"]
+    return where
+
+
+def check_arms(plan: Plan, plan_path: Path) -> None:
+    """Before the study directory is touched: every arm's ds_config exists and parses, and the hostfile fits it."""
+    from nshard.seam.ds_config import load_ds_config
+
+    for arm in plan.study.arms:
+        load_ds_config(resolve_ds_config(arm.ds_config, plan_path))
+        launcher_where(arm, plan)
 
 
 def arm_is_done(run_dir: Path, plan_sha: str, ds_sha: str, ranks: int, replay: bool = True) -> bool:
@@ -109,12 +123,16 @@ def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: di
         last = attempts[-1] if attempts else {}
         return {**entry, "status": "complete", "reused": True, "log": last.get("log"),
                 "launcher_wall_s": last.get("wall_s")}
+    # A killed study recorded no attempt for the arm it was training, but left its log: the next number is free.
+    number = len(attempts) + 1
+    while (out / "logs" / f"{arm.name}-attempt-{number}.log").exists():
+        number += 1
     if run_dir.exists():  # an unfinished or stale attempt stays in the evidence, out of the way
-        keep = out / "failed" / f"{arm.name}-attempt-{len(attempts)}"
+        keep = out / "failed" / f"{arm.name}-attempt-{number - 1}"
         keep.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(keep, ignore_errors=True)
         run_dir.rename(keep)
-    log = out / "logs" / f"{arm.name}-attempt-{len(attempts) + 1}.log"
+    log = out / "logs" / f"{arm.name}-attempt-{number}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = launch_command(arm, plan, plan_path, ds_config, run_dir, free_port(), hosts)
     say(f"arm {arm.name}: training on {arm.ranks} rank(s) with {arm.ds_config} (log: {log})")
@@ -347,15 +365,13 @@ def push_outputs(plan: Plan, out: Path, record: dict | None) -> dict | None:
     return stored
 
 
-def accept_cohort(plan: Plan, out: Path) -> dict:
-    """A second cohort: before anything is trained, the accepted study is checked (nshard/study/cohort.py: screen,
-    export, results) and the start of the provenance chain is written to cohort.json."""
+def accept_cohort(plan: Plan) -> dict:
+    """A second cohort: before anything is trained or written, the accepted study is checked (nshard/study/cohort.py:
+    screen, export, results); the record is the start of the provenance chain (cohort.json)."""
     from nshard.study.cohort import accept
 
     ranks = tuple(a.ranks for a in plan.study.arms) if plan.cohort.start == "state" else ()
     record = accept(plan, ranks)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / "cohort.json", record)
     say(f"second cohort from {record['candidate']} of {record['study']} (commitment "
         f"{record['first_commitment_sha256'][:16]}, start = {record['start']}); accepted")
     return record
@@ -367,17 +383,28 @@ def default_out(plan: Plan) -> Path:
 
 
 def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = False) -> dict:
+    plan_path = Path(plan_path).resolve()
+    plan = load_plan(plan_path)
+    out = Path(out or default_out(plan)).resolve()
+    check_arms(plan, plan_path)  # every ds_config and the hostfile, before the first arm starts
+    # One study owns `out` (nshard/lock.py); its arms' trainers own their run directories under it.
+    with lock.acquire(out, note=say):
+        return run_owned(plan, plan_path, out, exploratory)
+
+
+def run_owned(plan: Plan, plan_path: Path, out: Path, exploratory: bool) -> dict:
     from nshard.run.cohort import start_model_spec
     from nshard.run.models import ModelRef, load_tokenizer, resolve_model
     from nshard.study.validate import validate
 
-    plan_path = Path(plan_path).resolve()
-    plan = load_plan(plan_path)
-    out = Path(out or default_out(plan)).resolve()
+    t0 = time.perf_counter()
+    # Every refusal comes before the study directory is touched: a refused study leaves it as it was.
+    cohort = accept_cohort(plan) if plan.cohort.enabled else None
+    placement = placement_mod.describe(plan, cuda_available())  # reads the hostfile: before any cost
+    prepare_shared_caches(plan, plan_path)
     out.mkdir(parents=True, exist_ok=True)
-    for arm in plan.study.arms:  # every ds_config is checked before the first arm starts
-        resolve_ds_config(arm.ds_config, plan_path)
-    cohort = accept_cohort(plan, out) if plan.cohort.enabled else None
+    if cohort is not None:
+        write_json_atomic(out / "cohort.json", cohort)
     previous = {}
     if (out / "study.json").is_file():
         previous = {a["name"]: a for a in json.loads((out / "study.json").read_text()).get("arms", [])}
@@ -386,11 +413,9 @@ def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = Fals
              "screens": dataclasses.asdict(plan.screens), "exploratory": exploratory, "arms": [], "cohort": cohort,
              "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
     shutil.copyfile(plan_path, out / "plan.toml")
-    t0 = time.perf_counter()
-    study["placement"] = placement_mod.describe(plan, cuda_available())  # reads the hostfile: before any cost
+    study["placement"] = placement
     if not study["placement"]["comparable"]:
         say(f"speed screen not comparable: {study['placement']['why']}")
-    prepare_shared_caches(plan, plan_path)
     with contextlib.ExitStack() as stack:
         hosts = None
         if study["placement"]["kind"] == "emulated":
@@ -450,13 +475,14 @@ def main(argv=None) -> int:
     from nshard.study.evaluate import EvalError
     from nshard.run.data import DataError
     from nshard.run.hostfile import HostfileError
+    from nshard.seam.ds_config import DsConfigError
     from nshard.study.validate import ValidationError
 
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     try:
         results = run_study(args.plan, args.out, args.exploratory)
-    except (PlanError, DataError, StudyError, CommitError, EvalError, ValidationError, HostfileError, ArchiveError,
-            placement_mod.PlacementError, OSError) as exc:
+    except (PlanError, DataError, DsConfigError, StudyError, CommitError, EvalError, ValidationError, HostfileError,
+            ArchiveError, placement_mod.PlacementError, lock.LockError, OSError) as exc:
         print(f"nshard.study: error: {exc}", file=sys.stderr)
         return 2
     failed = [a["name"] for a in results["arms"] if a["status"] != "complete"]
