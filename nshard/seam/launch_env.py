@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from pathlib import Path
 
 
@@ -19,9 +20,19 @@ def shm_workspace(addr: str, port, rank) -> Path:
     return Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}")
 
 
+def extensions_dir() -> str:
+    """Where torch compiles and finds DeepSpeed's JIT ops (its CPU collective): $TORCH_EXTENSIONS_DIR, else beside
+    this venv. torch's default (~/.cache/torch_extensions/py311_cpu/<op>) is one directory for every venv of a
+    user, keyed by the op's name: a second venv (another checkout, a CI clone) recompiles the op over the first's
+    (its build file names the venv's sources), and a process killed while compiling leaves a lock file that makes
+    every later one wait forever. One directory per venv builds once per venv, at the same path on every host."""
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path(sys.prefix) / "torch_extensions")
+
+
 def prepare_process_env() -> None:
     """Fix what the launchers leave unset, before torch starts any thread pool."""
     env = os.environ
+    env["TORCH_EXTENSIONS_DIR"] = extensions_dir()
     # mpirun (DeepSpeed's openmpi launcher) sets no RANK; map Open MPI's variables, and keep the
     # rendezvous on loopback for a single host (DeepSpeed's discovery would pick `hostname -I`).
     if "OMPI_COMM_WORLD_RANK" in env and "RANK" not in env:
