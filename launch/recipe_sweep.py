@@ -222,8 +222,8 @@ def main(argv=None) -> int:
     plan = load_plan(REPO / args.plan)
     base_text = (REPO / args.plan).read_text()
     rule = (f"highest accuracy gain among points with retention upper bound < "
-            f"{plan.screens.max_retention_upper_nats} nats; ties to the lower rate, then the schedule listed first "
-            f"({', '.join(args.schedules)})")
+            f"{plan.screens.max_retention_upper_nats} nats; ties to the point that trained fewer tokens, then the lower "
+            f"rate, then the schedule listed first ({', '.join(args.schedules)})")
     body = {"at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "plan": args.plan,
             "ds_config": args.ds_config, "schedules": args.schedules, "dev_seed_offset": args.dev_seed_offset,
             "rule": rule, "points": [],
