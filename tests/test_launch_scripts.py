@@ -124,3 +124,14 @@ def test_bench_duplex_times_each_way_of_a_ring_step_over_a_shaped_link(tmp_path)
     assert set(body["seconds"]) == {"one", "two", "all_reduce"}
     assert all(len(t) == 2 and all(s > 0 for s in t) for t in body["seconds"].values())
     assert "| two |" in proc.stdout and "mean vs two" in proc.stdout
+
+
+def test_bench_generate_times_fp32_and_bf16_scoring_on_the_tiny_model():
+    proc = script("launch.bench_generate", "--model", "tiny", "--plan", "launch/plans/tiny.toml", "--cases", "8",
+                  "--max-new-tokens", "4", "--cores", "2")
+    body = json.loads(proc.stdout)
+    assert set(body["settings"]) == {"float32 1x2", "float32 2x1", "bfloat16 1x2", "bfloat16 2x1"}
+    assert all(s["cases"] == 8 and s["per_model_s"] > 0 for s in body["settings"].values())
+    # Two processes with the same settings give the same token ids (what validation's regeneration relies on).
+    assert body["identical_token_ids"]["bfloat16 2x1: every process"]
+    assert body["identical_token_ids"]["float32 2x1: every process"]
