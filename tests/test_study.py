@@ -687,6 +687,30 @@ def test_one_forged_retention_loss_fails_validation_and_the_report(study, tmp_pa
     assert_forgery_caught(study, copy, "powersgd", f"retention {forge.doc}", "scored again, its loss is")
 
 
+def test_a_bf16_run_is_scored_in_bf16_and_regenerated_at_scorings_thread_count(runs_root, tmp_path):
+    """On the CPU a run that trained in bf16 is scored in bf16 (about half fp32's time: docs/benchmarks.md), and
+    validation regenerates its answers bit for bit: the same placement and the same thread count as scoring
+    (bf16 kernels split their sums by thread), whatever the validating process had."""
+    import torch
+
+    from nshard.study.evaluate import score_model
+    from runs import cached_run
+
+    run = cached_run(runs_root, "bf16-one-rank", tiny_config(bf16=True), world=1)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        summary = score_model("seed", run / "model", run, tmp_path / "seed", commitment=None, exploratory=True,
+                              max_new_tokens=8, batch_size=4)
+        torch.set_num_threads(1)
+        report = validate(run, tiny_tokenizer(), {"seed": tmp_path / "seed"}, rebuild=False)
+    finally:
+        torch.set_num_threads(before)
+    assert (summary["device"], summary["dtype"], summary["threads"]) == ("cpu", "bfloat16", 2)
+    regenerated = report["evaluations"]["seed"]["regenerated"]
+    assert (regenerated["dtype"], regenerated["threads"], regenerated["cases"]) == ("bfloat16", 2, 16)
+
+
 def test_an_edited_commitment_is_refused(study, tmp_path):
     body = json.loads((study["out"] / "commitment.json").read_text())
     body["candidates"][0]["parameter_root"] = "0" * 64
