@@ -685,6 +685,20 @@ def test_one_forged_retention_loss_fails_validation_and_the_report(study, tmp_pa
         forge.doc = row["doc_id"]
     copy = forged_copy(study, tmp_path, "powersgd", forge)
     assert_forgery_caught(study, copy, "powersgd", f"retention {forge.doc}", "scored again, its loss is")
+    # The study's own validation step on the forged files: it stops, validation.json says why, the report refuses.
+    from nshard.run.plan import load_plan
+    from nshard.study.runner import validate_scores
+
+    record = load_commitment(study["out"] / "commitment.json")
+    done = {a: study["out"] / "arms" / a for a in ("one-rank", "dense", "powersgd")}
+    evals = {name: copy / "eval" / name for name in ("seed", *done)}
+    with pytest.raises(ValidationError):
+        validate_scores(load_plan(study["plan"]), study["plan"], copy, done, evals, record, tiny_tokenizer())
+    assert json.loads((copy / "validation.json").read_text())["passed"] is False
+    report = subprocess.run([sys.executable, "-m", "nshard.analysis.report", str(copy)], cwd=REPO, capture_output=True,
+                            text=True, timeout=300)
+    assert report.returncode == 2 and f"validation did not pass (validation failed: powersgd: retention {forge.doc}: " \
+        in report.stderr, report.stderr
 
 
 def test_a_bf16_run_is_scored_in_bf16_and_regenerated_at_scorings_thread_count(runs_root, tmp_path):
