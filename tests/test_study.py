@@ -701,6 +701,16 @@ def test_one_forged_retention_loss_fails_validation_and_the_report(study, tmp_pa
         in report.stderr, report.stderr
 
 
+def test_generation_settings_other_than_the_plans_fail_validation(study, tmp_path):
+    """Regeneration repeats summary.json's settings, so those must be the plan's: a shorter max_new_tokens could cut a
+    wrong answer to a right prefix, and regeneration at that length would agree."""
+    record = load_commitment(study["out"] / "commitment.json")
+    evals = copy_eval(study, tmp_path, "powersgd", "cases.jsonl", lambda rows: None, max_new_tokens=1)
+    with pytest.raises(ValidationError, match="powersgd: summary.json: max_new_tokens 1 is not the plan's "
+                                              "study.eval_max_new_tokens 12"):
+        validate(study["out"] / "arms" / "powersgd", tiny_tokenizer(), evals, record=record, plan_path=study["plan"])
+
+
 def test_a_bf16_run_is_scored_in_bf16_and_regenerated_at_scorings_thread_count(runs_root, tmp_path):
     """On the CPU a run that trained in bf16 is scored in bf16 (about half fp32's time: docs/benchmarks.md), and
     validation regenerates its answers bit for bit: the same placement and the same thread count as scoring

@@ -273,6 +273,8 @@ def validate(run_dir: Path, tokenizer, eval_dirs: dict[str, Path], *, record: di
         if not (Path(d) / "summary.json").is_file():
             _fail(label, str(d), "no summary.json: the evaluation did not finish")
         summaries[label] = json.loads((Path(d) / "summary.json").read_text())
+    if rebuild:
+        check_settings(summaries, Path(plan_path or run_dir / "plan.toml"))
     seed_label = find_seed(eval_dirs, summaries, record)
     seed_rows = None
     if seed_label is not None:
@@ -287,6 +289,19 @@ def validate(run_dir: Path, tokenizer, eval_dirs: dict[str, Path], *, record: di
     if regenerate:
         out["machine"] = machine()
     return out
+
+
+def check_settings(summaries: dict[str, dict], plan_path: Path) -> None:
+    """Each evaluation was scored with the plan's generation settings: regeneration repeats what summary.json says,
+    so a shorter max_new_tokens written there (an answer cut to its right prefix) must not go unseen."""
+    from nshard.run.plan import load_plan
+
+    study = load_plan(plan_path).study
+    for label, summary in summaries.items():
+        for key, want in (("max_new_tokens", study.eval_max_new_tokens), ("batch_size", study.eval_batch_size)):
+            if summary.get(key) != want:
+                _fail(label, "summary.json", f"{key} {summary.get(key)!r} is not the plan's study.eval_{key} "
+                                             f"{want} ({plan_path}); score it again with the plan's settings")
 
 
 def check_evaluation(label: str, d: Path, summary: dict, sets, case_ids: list[str], tokenizer, run_dir: Path,
