@@ -5,7 +5,8 @@ quality and speed screens, the report tables and the plots. Reads the study dire
 
 Reads STUDY_DIR/study.json (the arms, the declared screens, what the runner saw), the arms' run
 directories (run.json, receipts, metrics.jsonl), STUDY_DIR/commitment.json (and anchor.json, where the study
-anchored it in a store) and STUDY_DIR/eval/*/, and hashes again the model files the commitment names: a score
+anchored it in a store), STUDY_DIR/eval/*/ and STUDY_DIR/validation.json (a study whose validation did not pass,
+or whose scores differ from the ones it validated, is refused, naming the evaluation and case), and hashes again the model files the commitment names: a score
 counts only if the record names exactly those files under exactly that label (nshard.evidence.commit's checks,
 which need no torch).
 Writes STUDY_DIR/results.json, STUDY_DIR/report.md and STUDY_DIR/plots/*.png; prints the main table.
@@ -21,6 +22,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from nshard.analysis.paired import PairingError, cases_for_one_loss, mean_interval, paired_bounds
+from nshard.analysis.validated import NotValidated, check_validated
 from nshard.evidence.commit import CommitError, check_committed_as, files_sha256, load_commitment, model_files
 
 FAMILY_TITLES = {"lookup": "Lookup", "filtering": "Filtering", "sorting": "Sorting", "invoice": "Invoice totals",
@@ -362,6 +364,12 @@ def first_cohort_families(study: dict) -> list[str]:
     return list(sets.get("cohort", {}).get("first_cohort_families", []))
 
 
+def validation_summary(study_dir: Path) -> dict:
+    """What results.json says of validation.json (its per-case values stay there)."""
+    v = read_json(study_dir / "validation.json")
+    return {k: v.get(k) for k in ("passed", "case_ids", "regenerated", "machine", "validate_s")}
+
+
 def analyze(study_dir: Path) -> dict:
     study = read_json(study_dir / "study.json")
     screens, conf = study["screens"], study["screens"]["confidence"]
@@ -373,7 +381,13 @@ def analyze(study_dir: Path) -> dict:
         except CommitError as exc:
             raise StudyError(str(exc)) from None
         exploratory_reasons = check_scores(study_dir, study, commitment)
-        exploratory = bool(exploratory_reasons)
+    # Only the values post-scoring validation checked enter a screen: a file edited after it is refused.
+    try:
+        exploratory_reasons += check_validated(study_dir, ["seed", *(a["name"] for a in study["arms"]
+                                                                     if a["status"] == "complete")])
+    except NotValidated as exc:
+        raise StudyError(str(exc)) from None
+    exploratory = exploratory or bool(exploratory_reasons)
     seed_rows = read_jsonl(study_dir / "eval" / "seed" / "cases.jsonl")
     seed_retention = read_jsonl(study_dir / "eval" / "seed" / "retention.jsonl")
     seed = {"name": "seed", **accuracy_block(seed_rows, conf),
@@ -443,7 +457,7 @@ def analyze(study_dir: Path) -> dict:
         "prepared_identity": identity,
         "plan_sha256": study["plan_sha256"], "candidate": study["candidate"],
         "speed_baseline": study["speed_baseline"], "screens_declared": screens,
-        "validation": study.get("validation"), "placement": study.get("placement"), "warm_up": study.get("warm_up"),
+        "validation": validation_summary(study_dir), "placement": study.get("placement"), "warm_up": study.get("warm_up"),
         "seed": seed, "arms": arms, "comparisons": comparisons, "heldout_comparisons": heldout_pairs,
         "provenance": provenance,
         "screens": {"quality": {**quality, "evidence": evidence}, "speed": {**speed, "evidence": evidence}},
@@ -594,8 +608,12 @@ def render_report(results: dict) -> str:
                      f"`{prov['first_commitment_sha256']}` → accepted candidate {prov['accepted_candidate']} (parameter "
                      f"root `{prov['accepted_parameter_root']}`, files `{prov['accepted_files_sha256']}`) → this "
                      f"commitment `{prov['cohort_commitment_sha256']}`; the seed column is the accepted candidate")
-    if results.get("validation"):
-        lines.append(f"- post-scoring validation: passed on {results['validation']['case_ids']} cases per model")
+    if v := results.get("validation"):
+        how = ("every answer generated and every retention loss scored again" if v["regenerated"]
+               else "stored files only, nothing regenerated")
+        lines.append(f"- post-scoring validation: passed on {v['case_ids']} cases per model, {how}"
+                     + (f" ({v['machine']['machine']}, torch CPU capability {v['machine']['cpu_capability']})"
+                        if v.get("machine") else ""))
     if anchor := results.get("commitment_anchor"):
         lines.append(f"- commitment anchored before scoring in `{anchor['uri']}` (index `{anchor['index_sha256']}`), "
                      f"stored at {anchor['stored_at']} ({anchor['clock']} clock)")

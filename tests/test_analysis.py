@@ -145,6 +145,26 @@ def commit_study(root: Path, arms: list[dict]) -> None:
         (root / "eval" / e["name"] / "summary.json").write_text(json.dumps(
             {"model_files": e["files"], "commitment": body["record_sha256"], "committed_as": e["name"],
              "exploratory": False}))
+    write_validation(root, [e["name"] for e in [body["seed"], *body["candidates"]]])
+
+
+def write_validation(root: Path, labels: list[str], regenerated: bool = True) -> None:
+    """validation.json as nshard.study.validate writes it once it has passed: every evaluation's flags and losses."""
+    def rows(label, name):
+        return [json.loads(line) for line in (root / "eval" / label / name).read_text().splitlines()]
+    evaluations = {label: {"case_results": {r["case_id"]: {"family": r["family"], "correct": r["correct"]}
+                                            for r in rows(label, "cases.jsonl")},
+                           "retention_docs_checked": {r["doc_id"]: {"nll_sum": r["nll_sum"],
+                                                                    "target_weight": r["target_weight"]}
+                                                      for r in rows(label, "retention.jsonl")}}
+                   for label in labels}
+    for label in labels:  # own data: the held-out rows' losses too
+        if (root / "eval" / label / "heldout.jsonl").is_file():
+            evaluations[label]["heldout_docs_checked"] = {
+                r["doc_id"]: {"nll_sum": r["nll_sum"], "target_weight": r["target_weight"]}
+                for r in rows(label, "heldout.jsonl")}
+    (root / "validation.json").write_text(json.dumps({"passed": True, "case_ids": 100, "regenerated": regenerated,
+                                                      "evaluations": evaluations}))
 
 
 def write_eval(root: Path, name: str, correct: list[bool], changes: list[float] | None):
@@ -452,6 +472,7 @@ def own_data_study(root: Path, candidate_shift: float) -> Path:
         loss = 0.5 if name == "seed" else 0.3 + (candidate_shift if name == "powersgd" else 0.0)
         write_jsonl(d / "heldout.jsonl", [{"doc_id": f"h{i}", "nll_sum": 20 * (loss + 0.01 * (i % 3)),
                                            "target_weight": 20.0} for i in range(12)])
+    write_validation(root, ["seed", "one-rank", "dense", "powersgd"])
     return root
 
 
@@ -471,3 +492,65 @@ def test_a_study_on_own_data_is_screened_on_held_out_loss(tmp_path):
     assert failed_conditions(worse, "quality") == [
         "held-out paired 99% upper bound vs one-rank, nats per response token",
         "held-out paired 99% upper bound vs dense, nats per response token"]
+
+
+# ---------------------------------------------------------------- scores that validation did not pass
+
+
+def test_a_score_changed_after_validation_is_refused_naming_the_evaluation_and_case(tmp_path):
+    """A control made worse helps the candidate as much as a candidate made better: both are refused, and so is a
+    retention loss lowered after validation."""
+    for label, index in (("powersgd", 70), ("dense", 10)):  # wrong -> right in the candidate, right -> wrong in a control
+        root = make_study(tmp_path / label, candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
+        path = root / "eval" / label / "cases.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        rows[index]["correct"] = not rows[index]["correct"]
+        write_jsonl(path, rows)
+        assert (f"evaluation {label}, case c{index:03d}: correct={rows[index]['correct']}, but validation found "
+                f"{not rows[index]['correct']}") in refused(root)
+    root = make_study(tmp_path / "retention", candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
+    path = root / "eval" / "powersgd" / "retention.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[3] = {**rows[3], "nll_sum": rows[3]["nll_sum"] - 1.0, "change_nats_per_token": rows[3]["change_nats_per_token"]
+               - 0.1}
+    write_jsonl(path, rows)
+    assert "evaluation powersgd, retention r3: nll_sum=" in refused(root)
+
+
+def test_a_held_out_loss_changed_after_validation_is_refused(tmp_path):
+    """Own data: the held-out losses enter the quality screen, so they too must be the ones validation checked."""
+    root = own_data_study(tmp_path / "changed", 0.0)
+    path = root / "eval" / "powersgd" / "heldout.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[2] = {**rows[2], "nll_sum": rows[2]["nll_sum"] - 1.0}
+    write_jsonl(path, rows)
+    assert "evaluation powersgd, heldout h2: nll_sum=" in refused(root)
+    root = own_data_study(tmp_path / "unchecked", 0.0)
+    validation = json.loads((root / "validation.json").read_text())
+    del validation["evaluations"]["dense"]["heldout_docs_checked"]
+    (root / "validation.json").write_text(json.dumps(validation))
+    assert "evaluation dense: holds held-out rows that validation did not check" in refused(root)
+
+
+@pytest.mark.parametrize("validation", ["missing", "failed", "without the candidate"])
+def test_a_study_whose_validation_did_not_pass_is_refused(tmp_path, validation):
+    root = make_study(tmp_path, candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
+    if validation == "missing":
+        (root / "validation.json").unlink()
+        want = "validation.json is missing: the scores were never validated"
+    elif validation == "failed":
+        (root / "validation.json").write_text(json.dumps({"passed": False, "error": "validation failed: powersgd: "
+                                                                                    "lookup-s1-000001: differs"}))
+        want = "validation did not pass (validation failed: powersgd: lookup-s1-000001: differs)"
+    else:
+        write_validation(root, ["seed", "one-rank", "dense"])
+        want = "does not cover evaluation powersgd"
+    assert want in refused(root)
+
+
+def test_validation_without_regeneration_makes_the_result_exploratory(tmp_path):
+    root = make_study(tmp_path, candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
+    write_validation(root, ["seed", "one-rank", "dense", "powersgd"], regenerated=False)
+    results = write_outputs(root)
+    assert results["exploratory"] and "validation did not generate the answers again" in results["exploratory_reasons"][0]
+    assert "EXPLORATORY" in (root / "report.md").read_text()

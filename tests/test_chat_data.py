@@ -75,6 +75,12 @@ def test_own_rows_train_and_their_held_out_loss_is_reported_scored_and_validated
     report = validate(parquet, load_tokenizer(resolve_model("tiny")),
                       {"seed": tmp_path / "seed", "parquet": tmp_path / "parquet"})
     assert report["passed"] and report["evaluations"]["parquet"]["heldout_docs"] == 8
+    # Every own answer is generated again and every held-out row scored again; validation lists them as validated.
+    checked = report["evaluations"]["parquet"]
+    assert checked["regenerated"]["cases"] == 4 and checked["regenerated"]["heldout_docs"] == 8
+    assert sorted(checked["heldout_docs_checked"]) == sorted(sets[1]["heldout_ids"])
+    assert {r["family"] for r in checked["case_results"].values()} == {"chat"}
+    forged_heldout_and_answer_fail_regeneration(tmp_path, parquet, validate, ValidationError)
     # A flipped exact-match flag on an own row is caught, naming the row.
     rows = [json.loads(line) for line in (tmp_path / "parquet" / "cases.jsonl").read_text().splitlines()]
     rows[1]["correct"] = not rows[1]["correct"]
@@ -91,6 +97,42 @@ def test_own_rows_train_and_their_held_out_loss_is_reported_scored_and_validated
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = json.loads(proc.stdout.strip().splitlines()[-1])
     assert printed["heldout_loss_per_token"] < seed["heldout"]["loss_per_token"]
+
+
+def forged_heldout_and_answer_fail_regeneration(tmp_path: Path, run: Path, validate, ValidationError) -> None:
+    """A held-out loss lowered, and an own answer replaced by its expected one, each with every stored file made
+    consistent with the forgery: only regeneration can catch them, and it names the row."""
+    import shutil
+
+    from nshard.study.evaluate import exact_match, heldout_summary
+
+    tok = load_tokenizer(resolve_model("tiny"))
+    lines = lambda path: [json.loads(x) for x in path.read_text().splitlines() if x.strip()]  # noqa: E731
+    write = lambda path, rows: path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # noqa: E731
+
+    forged = tmp_path / "forged-heldout"
+    shutil.copytree(tmp_path / "parquet", forged)
+    rows = lines(forged / "heldout.jsonl")
+    rows[2]["nll_sum"] *= 0.9
+    write(forged / "heldout.jsonl", rows)
+    summary = json.loads((forged / "summary.json").read_text())
+    (forged / "summary.json").write_text(json.dumps({**summary, "heldout": heldout_summary(rows)}))
+    with pytest.raises(ValidationError, match=f"forged-heldout: heldout {rows[2]['doc_id']}: scored again"):
+        validate(run, tok, {"seed": tmp_path / "seed", "forged-heldout": forged}, rebuild=False)
+
+    forged = tmp_path / "forged-answer"
+    shutil.copytree(tmp_path / "parquet", forged)
+    rows = lines(forged / "cases.jsonl")
+    row = next(r for r in rows if r["generated_ids"] != tok.encode(r["expected"], add_special_tokens=False))
+    row["generated_ids"] = tok.encode(row["expected"], add_special_tokens=False)
+    row["generated_text"] = tok.decode(row["generated_ids"], skip_special_tokens=True)
+    row["correct"] = exact_match(row["generated_text"], row["expected"])
+    write(forged / "cases.jsonl", rows)
+    summary = json.loads((forged / "summary.json").read_text())
+    per_family = {"chat": {"correct": sum(r["correct"] for r in rows), "cases": len(rows)}}
+    (forged / "summary.json").write_text(json.dumps({**summary, "per_family": per_family}))
+    with pytest.raises(ValidationError, match=f"forged-answer: {row['case_id']}: regenerated answer differs"):
+        validate(run, tok, {"seed": tmp_path / "seed", "forged-answer": forged}, rebuild=False)
 
 
 def test_the_identity_follows_one_changed_row_and_tokens_are_cached_per_file(tmp_path, monkeypatch):

@@ -59,7 +59,9 @@ def test_a_cpu_session_hides_visible_gpus_from_the_ranks_it_starts():
 
 def test_inference_runs_where_the_run_trains():
     cpu = device.inference_placement(bf16=True, cuda=False)
-    assert (cpu.device, cpu.dtype, cpu.kind) == ("cpu", "float32", "cpu")
+    assert (cpu.device, cpu.dtype, cpu.kind) == ("cpu", "float32", "cpu")  # replay answers: fp32 on every CPU
+    assert device.inference_placement(bf16=True, cuda=False, cpu_bf16=True) == device.Placement("cpu", "bfloat16")
+    assert device.inference_placement(bf16=False, cuda=False, cpu_bf16=True) == device.CPU_FP32
     gpu = device.inference_placement(bf16=True, cuda=True, local_rank=1)
     assert (gpu.device, gpu.torch_dtype, gpu.kind) == ("cuda:1", torch.bfloat16, "cuda")
     assert device.inference_placement(bf16=False, cuda=True).torch_dtype == torch.float32
@@ -72,7 +74,8 @@ def test_evaluation_reads_the_runs_precision_and_loads_the_model_where_placed(tm
     with pytest.raises(EvalError, match="ds_config.json is missing"):
         run_placement(tmp_path)
     (tmp_path / "ds_config.json").write_text(json.dumps(ds_config("dense", bf16={"enabled": True})))
-    assert run_placement(tmp_path) == device.inference_placement(True, torch.cuda.is_available())
+    assert run_placement(tmp_path) == device.inference_placement(True, torch.cuda.is_available(), cpu_bf16=True)
+    assert run_placement(tmp_path).dtype == "bfloat16"  # scored as it trained, on a GPU or the CPU
     model = device.load_for_inference(resolve_model("tiny"), device.Placement("cpu", "bfloat16"))
     assert not model.training
     assert {(p.device.type, p.dtype) for p in model.parameters()} == {("cpu", torch.bfloat16)}

@@ -144,3 +144,14 @@ def test_bench_precision_times_fp32_bf16_and_autocast_in_one_run(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["mode"] for r in rows] == ["fp32", "bf16", "autocast"] and all(r["median_s"] > 0 for r in rows)
     assert "| bf16 | 2 |" in proc.stdout and "bf16 units:" in proc.stdout
+
+
+def test_bench_generate_times_fp32_and_bf16_scoring_on_the_tiny_model():
+    proc = script("launch.bench_generate", "--model", "tiny", "--plan", "launch/plans/tiny.toml", "--cases", "8",
+                  "--max-new-tokens", "4", "--cores", "2")
+    body = json.loads(proc.stdout)
+    assert set(body["settings"]) == {"float32 1x2", "float32 2x1", "bfloat16 1x2", "bfloat16 2x1"}
+    assert all(s["cases"] == 8 and s["per_model_s"] > 0 for s in body["settings"].values())
+    # Two processes with the same settings give the same token ids (what validation's regeneration relies on).
+    assert body["identical_token_ids"]["bfloat16 2x1: every process"]
+    assert body["identical_token_ids"]["float32 2x1: every process"]

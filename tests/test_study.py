@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 def study_plan(tmp: Path, store: str) -> Path:
     """The tiny plan, four arms: the usual three (PowerSGD compressing after one dense update) and one that fails;
-    the record, models and evidence go to `store`."""
+    the record, models and evidence go to `store`; the 16 cases are scored in 4 batches."""
     (tmp / "dense.json").write_text(json.dumps(tiny_config("dense")))
     (tmp / "powersgd.json").write_text(json.dumps(tiny_config("dense", nshard={
         "reducer": "powersgd", "rank": 4, "dense_warmup_updates": 1})))
@@ -36,6 +37,7 @@ def study_plan(tmp: Path, store: str) -> Path:
     plan = tmp / "tiny-study.toml"
     plan.write_text((REPO / "launch/plans/tiny.toml").read_text()
                     + '\n[study]\ncandidate = "powersgd"\nspeed_baseline = "one-rank"\neval_max_new_tokens = 12\n'
+                    + 'eval_batch_size = 4\n'  # 16 cases in 4 scoring batches
                     + f'store = "{store}"\n' + arms)
     return plan
 
@@ -204,13 +206,23 @@ def test_a_cohort_from_an_uncommitted_candidate_is_refused(accepted, tmp_path):
 
 
 def test_a_cohort_from_results_the_files_do_not_give_is_refused(accepted, tmp_path):
-    """One score flipped in the candidate's cases: the analysis recomputed no longer gives results.json's screen."""
+    """One score flipped in the candidate's cases: not the one validation checked. Then the files left alone and
+    results.json's screen edited: the analysis recomputed no longer gives it."""
     def flip(copy):
         path = copy / "eval/powersgd/cases.jsonl"
         rows = read_jsonl(path)
         rows[0]["correct"] = not rows[0]["correct"]
+        flip.case = rows[0]["case_id"]
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = cohort_cli(edited_copy(accepted, tmp_path, flip))
+    proc = cohort_cli(edited_copy(accepted, tmp_path / "flipped", flip))
+    assert proc.returncode == 2 and "the study's results do not validate" in proc.stderr, proc.stderr
+    assert f"evaluation powersgd, case {flip.case}: correct=" in proc.stderr, proc.stderr
+
+    def screen(copy):
+        body = json.loads((copy / "results.json").read_text())
+        body["screens"]["quality"]["conditions"][0]["value"] += 1.0
+        (copy / "results.json").write_text(json.dumps(body))
+    proc = cohort_cli(edited_copy(accepted, tmp_path / "screen", screen))
     assert proc.returncode == 2 and "quality screen is not the one the study's files give" in proc.stderr, proc.stderr
 
 
@@ -460,7 +472,7 @@ def tampered_copy(study, tmp_path, label: str, edit) -> dict[str, Path]:
 def test_validation_passes_on_the_study_and_catches_a_changed_token_id(study, tmp_path):
     run_dir = study["out"] / "arms" / "powersgd"
     evals = {name: study["out"] / "eval" / name for name in ("seed", "one-rank", "dense", "powersgd")}
-    assert validate(run_dir, tiny_tokenizer(), evals)["passed"]
+    assert validate(run_dir, tiny_tokenizer(), evals, regenerate=False)["passed"]
 
     def change_token(rows):
         row = next(r for r in rows if r["generated_ids"])
@@ -499,7 +511,8 @@ def test_validation_rebuilds_the_inputs_from_the_plan_and_finds_the_seed_through
     out = study["out"]
     record = load_commitment(out / "commitment.json")
     evals = {("base" if n == "seed" else n): out / "eval" / n for n in ("seed", "one-rank", "dense", "powersgd")}
-    report = validate(out / "arms" / "powersgd", tiny_tokenizer(), evals, record=record, plan_path=study["plan"])
+    report = validate(out / "arms" / "powersgd", tiny_tokenizer(), evals, record=record, plan_path=study["plan"],
+                      regenerate=False)
     assert report["seed"] == "base" and report["seed_found_by"] == "record"
     assert report["prepared"]["prepared_identity"] == json.loads((out / "arms/powersgd/run.json").read_text())[
         "prepared_identity"]
@@ -507,7 +520,8 @@ def test_validation_rebuilds_the_inputs_from_the_plan_and_finds_the_seed_through
     wrong = {**evals, "seed": out / "eval" / "dense"}
     wrong.pop("base")
     with pytest.raises(ValidationError, match="0 evaluations scored the model the record commits as the seed"):
-        validate(out / "arms" / "powersgd", tiny_tokenizer(), wrong, record=record, plan_path=study["plan"])
+        validate(out / "arms" / "powersgd", tiny_tokenizer(), wrong, record=record, plan_path=study["plan"],
+                 regenerate=False)
 
     # A copy of the run whose prepared/ files were edited, then one whose plan (and its recorded hash) was.
     run = tmp_path / "run"
@@ -550,8 +564,10 @@ def test_regeneration_catches_answers_the_model_does_not_give(study, tmp_path):
 
     out = study["out"]
     validation = json.loads((out / "validation.json").read_text())
-    assert validation["regenerated"]["machine"]["cpu_capability"] and validation["regenerated"]["models"]["powersgd"][
-        "cases"] > 0
+    assert validation["regenerated"] and validation["machine"]["cpu_capability"]
+    assert {label: (v["regenerated"]["cases"], v["regenerated"]["batches"], v["regenerated"]["retention_docs"])
+            for label, v in validation["evaluations"].items()} == {label: (16, 4, 4) for label in
+                                                                 ("seed", "one-rank", "dense", "powersgd")}
     tokenizer = tiny_tokenizer()
 
     def cut(rows):
@@ -571,10 +587,152 @@ def test_regeneration_catches_answers_the_model_does_not_give(study, tmp_path):
     (evals["powersgd"] / "summary.json").write_text(json.dumps({**summary, "per_family": per_family}))
     record = load_commitment(out / "commitment.json")
     run = out / "arms" / "powersgd"
-    validate(run, tokenizer, evals, record=record, plan_path=study["plan"])  # the stored files agree with each other
+    # The stored files agree with each other:
+    assert not validate(run, tokenizer, evals, record=record, plan_path=study["plan"], regenerate=False)["regenerated"]
     with pytest.raises(ValidationError, match=f"powersgd: {cut.case}: regenerated answer differs at generated token 1: "
                                               "the file has end, generated again"):
-        validate(run, tokenizer, evals, record=record, plan_path=study["plan"], regenerate_batches=8)
+        validate(run, tokenizer, evals, record=record, plan_path=study["plan"])
+
+
+def scoring_batches(eval_dir: Path) -> list[list[int]]:
+    """The positions of the cases each scoring batch held (evaluate.generate_answers: longest input first)."""
+    rows = read_jsonl(eval_dir / "cases.jsonl")
+    size = json.loads((eval_dir / "summary.json").read_text())["batch_size"]
+    order = sorted(range(len(rows)), key=lambda i: (-len(rows[i]["input_ids"]), i))
+    return [order[s:s + size] for s in range(0, len(order), size)]
+
+
+def forged_copy(study, tmp_path: Path, label: str, forge) -> Path:
+    """A copy of the study's own files (its arms and models stay where they are) in which eval/<label> was forged
+    as a skeptic did it on the main job: the rows edited by `forge`, and summary.json's counts made to agree with
+    them, so that every check of the files against each other passes. validation.json is the honest run's."""
+    copy = tmp_path / "study"
+    shutil.copytree(study["out"], copy, ignore=shutil.ignore_patterns("arms", "failed", "logs", "plots", "evidence.tar*"))
+    for name in ("cases.jsonl", "retention.jsonl"):
+        path = copy / "eval" / label / name
+        rows = read_jsonl(path)
+        forge(name, rows)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows = read_jsonl(copy / "eval" / label / "cases.jsonl")
+    per_family = {}
+    for r in rows:
+        fam = per_family.setdefault(r["family"], {"correct": 0, "cases": 0})
+        fam["cases"] += 1
+        fam["correct"] += r["correct"]
+    summary = json.loads((copy / "eval" / label / "summary.json").read_text())
+    (copy / "eval" / label / "summary.json").write_text(json.dumps(
+        {**summary, "per_family": per_family, "correct": sum(r["correct"] for r in rows)}))
+    return copy
+
+
+def answer_forgery(tokenizer, position: int, right: bool):
+    """Rewrite one stored answer: to the expected answer's tokens (right), or to a wrong one, with its text and flag."""
+    from nshard import tasks
+    from nshard.study.evaluate import case_from_id
+
+    def forge(name, rows):
+        if name != "cases.jsonl":
+            return
+        row = rows[position]
+        case = case_from_id(row["case_id"])
+        text = tasks.answer(case) if right else tasks.answer(case) + " 0"
+        row["generated_ids"] = tokenizer.encode(text, add_special_tokens=False)
+        row["generated_text"] = tokenizer.decode(row["generated_ids"], skip_special_tokens=True)
+        row["correct"] = tasks.score(case, row["generated_text"])
+        assert row["correct"] is right
+        forge.case = row["case_id"]
+    return forge
+
+
+def assert_forgery_caught(study, copy: Path, label: str, where: str, because: str):
+    """Validation of the forged files (every answer and loss generated again) and the report on them both refuse,
+    each naming the evaluation and the case."""
+    record = load_commitment(study["out"] / "commitment.json")
+    evals = {name: copy / "eval" / name for name in ("seed", "one-rank", "dense", "powersgd")}
+    with pytest.raises(ValidationError, match=re.escape(f"validation failed: {label}: {where}: {because}")):
+        validate(study["out"] / "arms" / "powersgd", tiny_tokenizer(), evals, record=record, plan_path=study["plan"])
+    report = subprocess.run([sys.executable, "-m", "nshard.analysis.report", str(copy)], cwd=REPO, capture_output=True,
+                            text=True, timeout=300)
+    assert report.returncode == 2, report.stdout[-2000:]
+    named = where if where.startswith("retention ") else f"case {where}"
+    assert f"evaluation {label}, {named}:" in report.stderr and "but validation found" in report.stderr, report.stderr
+
+
+@pytest.mark.parametrize("label", ["powersgd", "dense"])
+def test_one_forged_answer_in_any_scoring_batch_fails_validation_and_the_report(study, tmp_path, label):
+    """One answer rewritten to the expected one, as the skeptic did, in the candidate and in a control, in each of
+    the 4 scoring batches in turn (a check of one batch would miss three of these four)."""
+    tokenizer = tiny_tokenizer()
+    rows = read_jsonl(study["out"] / "eval" / label / "cases.jsonl")
+    batches = scoring_batches(study["out"] / "eval" / label)
+    assert len(batches) == 4
+    for b, members in enumerate(batches):
+        position = next(i for i in members if not rows[i]["correct"])  # the random tiny models answer none right
+        forge = answer_forgery(tokenizer, position, right=True)
+        copy = forged_copy(study, tmp_path / f"batch-{b}", label, forge)
+        assert_forgery_caught(study, copy, label, forge.case, "regenerated answer differs at generated token")
+
+
+def test_one_forged_retention_loss_fails_validation_and_the_report(study, tmp_path):
+    """One of the candidate's retention losses lowered by a tenth, its change recomputed to agree (each document in
+    turn would do; the last is taken, which a check of one batch of 16 would have reached only with 16 documents)."""
+    def forge(name, rows):
+        if name != "retention.jsonl":
+            return
+        row = rows[-1]
+        row["nll_sum"] *= 0.9
+        row["change_nats_per_token"] = (row["nll_sum"] - row["seed_nll_sum"]) / row["target_weight"]
+        forge.doc = row["doc_id"]
+    copy = forged_copy(study, tmp_path, "powersgd", forge)
+    assert_forgery_caught(study, copy, "powersgd", f"retention {forge.doc}", "scored again, its loss is")
+    # The study's own validation step on the forged files: it stops, validation.json says why, the report refuses.
+    from nshard.run.plan import load_plan
+    from nshard.study.runner import validate_scores
+
+    record = load_commitment(study["out"] / "commitment.json")
+    done = {a: study["out"] / "arms" / a for a in ("one-rank", "dense", "powersgd")}
+    evals = {name: copy / "eval" / name for name in ("seed", *done)}
+    with pytest.raises(ValidationError):
+        validate_scores(load_plan(study["plan"]), study["plan"], copy, done, evals, record, tiny_tokenizer())
+    assert json.loads((copy / "validation.json").read_text())["passed"] is False
+    report = subprocess.run([sys.executable, "-m", "nshard.analysis.report", str(copy)], cwd=REPO, capture_output=True,
+                            text=True, timeout=300)
+    assert report.returncode == 2 and f"validation did not pass (validation failed: powersgd: retention {forge.doc}: " \
+        in report.stderr, report.stderr
+
+
+def test_generation_settings_other_than_the_plans_fail_validation(study, tmp_path):
+    """Regeneration repeats summary.json's settings, so those must be the plan's: a shorter max_new_tokens could cut a
+    wrong answer to a right prefix, and regeneration at that length would agree."""
+    record = load_commitment(study["out"] / "commitment.json")
+    evals = copy_eval(study, tmp_path, "powersgd", "cases.jsonl", lambda rows: None, max_new_tokens=1)
+    with pytest.raises(ValidationError, match="powersgd: summary.json: max_new_tokens 1 is not the plan's "
+                                              "study.eval_max_new_tokens 12"):
+        validate(study["out"] / "arms" / "powersgd", tiny_tokenizer(), evals, record=record, plan_path=study["plan"])
+
+
+def test_a_bf16_run_is_scored_in_bf16_and_regenerated_at_scorings_thread_count(runs_root, tmp_path):
+    """On the CPU a run that trained in bf16 is scored in bf16 (about half fp32's time: docs/benchmarks.md), and
+    validation regenerates its answers bit for bit: the same placement and the same thread count as scoring
+    (bf16 kernels split their sums by thread), whatever the validating process had."""
+    import torch
+
+    from nshard.study.evaluate import score_model
+    from runs import cached_run
+
+    run = cached_run(runs_root, "bf16-one-rank", tiny_config(bf16=True), world=1)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        summary = score_model("seed", run / "model", run, tmp_path / "seed", commitment=None, exploratory=True,
+                              max_new_tokens=8, batch_size=4)
+        torch.set_num_threads(1)
+        report = validate(run, tiny_tokenizer(), {"seed": tmp_path / "seed"}, rebuild=False)
+    finally:
+        torch.set_num_threads(before)
+    assert (summary["device"], summary["dtype"], summary["threads"]) == ("cpu", "bfloat16", 2)
+    regenerated = report["evaluations"]["seed"]["regenerated"]
+    assert (regenerated["dtype"], regenerated["threads"], regenerated["cases"]) == ("bfloat16", 2, 16)
 
 
 def test_an_edited_commitment_is_refused(study, tmp_path):

@@ -203,9 +203,9 @@ class StudySection:
     """Greedy generation stops after this many new tokens (or at the end-of-turn token)."""
     eval_batch_size: int = 16
     """Prompts generated together (left-padded); 16 keeps two CPU cores busy."""
-    validate_regenerate_batches: int = 1
-    """Validation generates this many scoring batches of every model again and compares the token ids
-    (and scores as many batches of retention documents again); 0 skips it."""
+    validate_regenerate: bool = True
+    """Validation generates every answer of every model again and compares the token ids, and scores every
+    retention document again (docs/evidence.md); false skips that, and the analysis calls the result exploratory."""
     store: str = ""
     """s3://bucket/prefix or a local directory that receives the commitment record before any score, then the
     models and the evidence archive (docs/evidence.md); empty: nothing is stored."""
@@ -231,12 +231,13 @@ class StudySection:
             raise PlanError(f"study.link={self.link!r} is not a tc rate: use e.g. \"100mbit\", \"1gbit\" or \"none\"")
         if type(self.cores_per_host) is not int or self.cores_per_host < 1:
             raise PlanError(f"study.cores_per_host={self.cores_per_host!r}: give a whole number of cores, 1 or more")
-        if type(self.validate_regenerate_batches) is not int or self.validate_regenerate_batches < 0:
-            raise PlanError(f"study.validate_regenerate_batches={self.validate_regenerate_batches!r}: give a whole "
-                            "number of batches, 0 or more (0 skips the regeneration check)")
 
     def arm(self, name: str) -> ArmSpec:
         return next(a for a in self.arms if a.name == name)
+
+    REPLACED_KEYS = {"validate_regenerate_batches": "validate_regenerate = true (every answer and retention loss is "
+                                                    "checked again; a sample of batches could miss a forged case) "
+                                                    "or false (none, and the result is exploratory)"}
 
 
 @dataclass(frozen=True)
@@ -407,6 +408,8 @@ def _build_section(section: str, cls, values: dict):
     known = {to_key.get(f.name, f.name) for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in values.items():
+        if key in getattr(cls, "REPLACED_KEYS", {}):
+            raise PlanError(f"plan key {section}.{key} was replaced: write {section}.{cls.REPLACED_KEYS[key]}")
         if key not in known:
             raise PlanError(f"unknown plan key {section}.{key}: known keys are {', '.join(sorted(known))}")
         name = to_field.get(key, key)

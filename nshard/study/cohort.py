@@ -64,7 +64,9 @@ def canonical(obj) -> str:
 
 
 def validate_scores(study: Path, results: dict) -> None:
-    """nshard.study.validate's post-scoring checks once more, on the seed's and every finished arm's scores."""
+    """nshard.study.validate's post-scoring checks once more, on the seed's and every finished arm's scores: the
+    stored files against each other (the analysis above has checked that every value is the one the study's own
+    validation regenerated; regenerating again here would cost a second full scoring)."""
     from nshard.evidence.commit import load_commitment
     from nshard.run.models import ModelRef, load_tokenizer
     from nshard.study.validate import ValidationError, validate
@@ -76,7 +78,7 @@ def validate_scores(study: Path, results: dict) -> None:
     labels = ["seed", *(a["name"] for a in results["arms"] if a["status"] == "complete")]
     try:
         validate(study / "arms" / results["candidate"], load_tokenizer(ModelRef(seed_dir, seed_dir, None, "local")),
-                 {label: study / "eval" / label for label in labels}, record=record)
+                 {label: study / "eval" / label for label in labels}, record=record, regenerate=False)
     except (ValidationError, OSError, ValueError) as exc:  # a DataError rebuilding the inputs included
         raise CohortError(f"cohort.from: the study's results do not validate: {exc}") from None
 

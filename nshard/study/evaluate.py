@@ -94,15 +94,15 @@ def load_run_sets(run_dir: Path) -> RunSets:
 
 
 def run_placement(run_dir: Path):
-    """Evaluate where the run trained: its GPU in its dtype, or the CPU in fp32 (nshard/run/device.py); the run's
-    ds_config.json says whether it trained in bf16."""
+    """Evaluate where and as the run trained: its GPU or the CPU, in bf16 when it trained in bf16, else fp32
+    (nshard/run/device.py); the run's ds_config.json says whether it trained in bf16."""
     from nshard.run.device import cuda_available, inference_placement
     from nshard.seam.ds_config import _bf16
 
     path = Path(run_dir) / "ds_config.json"
     if not path.is_file():
         raise EvalError(f"{path} is missing: evaluate a run directory written by nshard/train.py")
-    return inference_placement(_bf16(json.loads(path.read_text())), cuda_available())
+    return inference_placement(_bf16(json.loads(path.read_text())), cuda_available(), cpu_bf16=True)
 
 
 def prompt_ids(tokenizer, case) -> list[int]:
@@ -177,6 +177,8 @@ def score_model(label: str, model_dir: Path, run_dir: Path, out: Path, *, commit
                 exploratory: bool = False, seed_eval: Path | None = None, max_new_tokens: int = 48,
                 batch_size: int = 16) -> dict:
     """Evaluate one model directory; refuses a model that the commitment does not name unless exploratory."""
+    import torch
+
     from nshard.evidence import commit as commit_mod
     from nshard.run.device import load_for_inference
     from nshard.run.models import ModelRef, load_tokenizer
@@ -252,7 +254,7 @@ def score_model(label: str, model_dir: Path, run_dir: Path, out: Path, *, commit
                "retention_docs": len(retention), "heldout": heldout_summary(heldout),
                "max_new_tokens": max_new_tokens, "batch_size": batch_size,
                "generate_s": generate_s, "retention_s": retention_s,
-               "device": placement.device, "dtype": placement.dtype,
+               "device": placement.device, "dtype": placement.dtype, "threads": torch.get_num_threads(),
                "with_seed_retention": seed_eval is not None}
     write_json_atomic(out / "summary.json", summary)
     return summary

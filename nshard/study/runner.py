@@ -382,6 +382,28 @@ def default_out(plan: Plan) -> Path:
     return Path("runs") / plan.name
 
 
+def validate_scores(plan: Plan, plan_path: Path, out: Path, done: dict[str, Path], evals: dict[str, Path],
+                    record: dict | None, tokenizer) -> dict:
+    """Post-scoring validation into validation.json; a failure is written there too (passed: false, and where),
+    so the analysis refuses the study rather than finding no record of it, and then stops the study."""
+    from nshard.study.validate import ValidationError, validate
+
+    t0 = time.perf_counter()
+    try:
+        validation = validate(done.get(plan.study.candidate) or next(iter(done.values())), tokenizer, evals,
+                              record=record, plan_path=plan_path, regenerate=plan.study.validate_regenerate)
+    except ValidationError as exc:
+        write_json_atomic(out / "validation.json", {"passed": False, "error": str(exc)})
+        raise
+    validation["validate_s"] = time.perf_counter() - t0
+    write_json_atomic(out / "validation.json", validation)
+    what = ("every answer generated and every retention and held-out loss scored again" if validation["regenerated"]
+            else "stored files checked against each other, nothing regenerated (the result is exploratory)")
+    say(f"validation passed: {len(evals)} models x {validation['case_ids']} cases, {what}, in "
+        f"{validation['validate_s']:.0f} s")
+    return validation
+
+
 def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = False) -> dict:
     plan_path = Path(plan_path).resolve()
     plan = load_plan(plan_path)
@@ -395,7 +417,6 @@ def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = Fals
 def run_owned(plan: Plan, plan_path: Path, out: Path, exploratory: bool) -> dict:
     from nshard.run.cohort import start_model_spec
     from nshard.run.models import ModelRef, load_tokenizer, resolve_model
-    from nshard.study.validate import validate
 
     t0 = time.perf_counter()
     # Every refusal comes before the study directory is touched: a refused study leaves it as it was.
@@ -446,10 +467,8 @@ def run_owned(plan: Plan, plan_path: Path, out: Path, exploratory: bool) -> dict
         say("EXPLORATORY: scoring without a commitment; every output says so")
     evals = score_all(plan, out, seed_dir, done, record)
     tokenizer = load_tokenizer(ModelRef(str(seed_dir), str(seed_dir), None, "local"))
-    study["validation"] = validate(done.get(plan.study.candidate) or next(iter(done.values())), tokenizer, evals, record=record, plan_path=plan_path,
-                                   regenerate_batches=plan.study.validate_regenerate_batches)
-    write_json_atomic(out / "validation.json", study["validation"])
-    say(f"validation passed: {len(evals)} models x {study['validation']['case_ids']} cases re-checked")
+    validation = validate_scores(plan, plan_path, out, done, evals, record, tokenizer)
+    study["validation"] = {k: validation.get(k) for k in ("passed", "case_ids", "regenerated", "validate_s")}
     study["train_s"], study["total_s"] = train_s, time.perf_counter() - t0
     write_json_atomic(out / "study.json", study)
     # The analysis reads files only; a separate process keeps torch and nshard out of it.

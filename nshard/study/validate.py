@@ -1,37 +1,46 @@
 """Post-scoring validation: a separate pass that trusts nothing the evaluation wrote.
 
     python -m nshard.study.validate --run RUN_DIR --tokenizer MODEL_DIR [--commitment C.json] [--plan PLAN]
-        [--regenerate-batches K] EVAL_DIR [EVAL_DIR ...]
+        [--no-regenerate] EVAL_DIR [EVAL_DIR ...]
 
 Prepared inputs: it rebuilds the training documents, schedule and evaluation sets from the plan (the
 run's plan.toml unless --plan names the study's) and compares their identity with the run's, and it
 recomputes that identity from the files under prepared/ that scoring read.
 Cases: it rebuilds every case from its ID, re-renders and re-tokenizes the prompt, checks that the
 expected answer is not inside the model input, decodes the stored token ids and compares them with the
-stored text, and re-scores the text; every evaluation must hold the same case IDs.
+stored text, and re-scores the text; every evaluation must hold the same case IDs. An own held-out row with an
+expected answer (own chat data) is a case too, checked against its prepared prompt and expected answer.
 Retention: every candidate's change is recomputed from its own and the seed's stored losses; the seed is
 the evaluation whose model files the commitment record names as the seed (by label only without a record).
-Regeneration (K > 0): K batches of each model's greedy answers are generated again, in the batches scoring
-used, and their token ids compared; as many retention documents are scored again. A differing token is
-named with its two scores. Greedy decoding is deterministic on one kind of CPU; on another, a near-tie can
-flip, so the result names the machine the check ran on.
-The first disagreement stops with a message that names the evaluation and the case.
+Regeneration (unless --no-regenerate): every model's greedy answers to every case are generated again, by the
+call scoring made (same batches, padding, placement and dtype), and their token ids compared; every retention
+document and every own held-out row is scored again. A differing token is named with its two scores. Greedy
+decoding is deterministic on one kind of CPU; on another, a near-tie can flip, so the result names the machine the
+check ran on.
+The first disagreement stops with a message that names the evaluation and the case. The output (validation.json
+in a study) lists each case's flag and each document's loss as validated: the analysis uses no others.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
+import contextlib
 import json
 import math
 import platform
-import random
 import sys
+import time
 from pathlib import Path
 
 from nshard import tasks
 from nshard.study.evaluate import (EvalError, case_from_id, exact_match, heldout_summary, load_run_sets, prompt_ids,
                                    read_jsonl)
+
+
+RETENTION_RTOL = 1e-6
+"""A retention loss scored again must agree with the stored one to this relative tolerance (on one kind of CPU the
+same call gives the same bits; the tolerance only absorbs another machine's kernels). It lets a document's change
+move by at most ~1e-6 x its loss / its target weight, orders of magnitude below any screen's margin."""
 
 
 class ValidationError(RuntimeError):
@@ -197,48 +206,60 @@ def rebuild_prepared(run_dir: Path, plan_path: Path | None, tokenizer) -> dict:
     return {"prepared_identity": recorded, "rebuilt_from": str(plan_path), "recomputed_from_files": True}
 
 
-def _salt(*parts) -> int:
-    return int(hashlib.sha256("/".join(map(str, parts)).encode()).hexdigest()[:16], 16)
-
-
-def regenerate(label: str, summary: dict, rows: list[dict], retention_rows: list[dict], sets, run_dir: Path,
-               tokenizer, batches: int) -> dict:
-    """Generate `batches` of the model's scoring batches again (same members, same padding) and compare the
-    token ids; score as many retention documents again. The batches are drawn from the model's files' hash."""
+def regenerate_all(label: str, summary: dict, rows: list[dict], retention_rows: list[dict], sets, run_dir: Path,
+                   tokenizer, heldout_rows: list[dict] = ()) -> dict:
+    """Every answer generated again (the task cases and the own rows with an expected answer, in one call as
+    scoring made it: the same batches, padding, placement and dtype) and every retention document and own held-out
+    row scored again, compared token for token and loss for loss."""
     from nshard.evidence.commit import model_files
     from nshard.run.device import load_for_inference
     from nshard.run.models import ModelRef
-    from nshard.study.evaluate import generate_answers, run_placement
+    from nshard.study.evaluate import generate_answers, retention_losses, run_placement
 
     model_dir = Path(summary["model_dir"])
     if model_files(model_dir) != summary.get("model_files"):
         _fail(label, str(model_dir), "the model's files are not the ones this evaluation scored")
+    placement = run_placement(run_dir)
+    if (summary.get("device"), summary.get("dtype")) != (placement.device, placement.dtype):
+        _fail(label, "summary.json", f"scored on {summary.get('device')} in {summary.get('dtype')}, but the run's "
+                                     f"placement is {placement.device} in {placement.dtype}: score it again there")
     inputs = [r["input_ids"] for r in rows]
-    bs = summary.get("batch_size") or 16
-    order = sorted(range(len(inputs)), key=lambda i: (-len(inputs[i]), i))  # as evaluate.generate_answers batches
-    all_batches = [order[s:s + bs] for s in range(0, len(order), bs)]
-    rng = random.Random(_salt(label, json.dumps(summary["model_files"], sort_keys=True)))
-    chosen = sorted(rng.sample(range(len(all_batches)), min(batches, len(all_batches))))
-    model = load_for_inference(ModelRef(str(model_dir), str(model_dir.resolve()), None, "local"), run_placement(run_dir))
-    checked = 0
-    for b in chosen:
-        members = all_batches[b]
-        again = generate_answers(model, tokenizer, [inputs[i] for i in members], summary["max_new_tokens"], len(members),
+    batch_size = summary.get("batch_size") or 16
+    model = load_for_inference(ModelRef(str(model_dir), str(model_dir.resolve()), None, "local"), placement)
+    # bf16 kernels split their sums by thread: the same thread count as scoring gives the same bits.
+    with torch_threads(summary.get("threads")) as threads:
+        t0 = time.perf_counter()
+        again = generate_answers(model, tokenizer, inputs, summary["max_new_tokens"], batch_size,
                                  desc=f"{label}: regenerate")
-        for i, ids in zip(members, again):
-            stored = rows[i]["generated_ids"]
-            if ids != stored:
-                _fail(label, rows[i]["case_id"], _first_token_difference(model, inputs[i], stored, ids))
-            checked += 1
-    docs = rng.sample(range(len(sets.retention)), min(batches * bs, len(sets.retention)))
-    from nshard.study.evaluate import retention_losses
+        generate_s = time.perf_counter() - t0
+        for row, prompt, ids in zip(rows, inputs, again):
+            if ids != row["generated_ids"]:
+                _fail(label, row["case_id"], _first_token_difference(model, prompt, row["generated_ids"], ids))
+        t1 = time.perf_counter()
+        for what, stored, docs in (("retention", retention_rows, sets.retention),
+                                   ("heldout", heldout_rows, sets.heldout if heldout_rows else [])):
+            for row, fresh in zip(stored, retention_losses(model, docs, desc=f"{label}: rescore {what}")):
+                if not math.isclose(fresh["nll_sum"], row["nll_sum"], rel_tol=RETENTION_RTOL, abs_tol=1e-9):
+                    _fail(label, f"{what} {fresh['doc_id']}", f"scored again, its loss is {fresh['nll_sum']!r}; "
+                                                              f"the file says {row['nll_sum']!r}")
+    return {"cases": len(rows), "batches": -(-len(rows) // batch_size), "retention_docs": len(retention_rows),
+            "heldout_docs": len(heldout_rows),
+            "generate_s": generate_s, "retention_s": time.perf_counter() - t1,
+            "device": placement.device, "dtype": placement.dtype, "threads": threads}
 
-    for i, again in zip(docs, retention_losses(model, [sets.retention[i] for i in docs], desc=f"{label}: rescore")):
-        stored = retention_rows[i]["nll_sum"]
-        if not math.isclose(again["nll_sum"], stored, rel_tol=1e-5, abs_tol=1e-6):
-            _fail(label, f"retention {again['doc_id']}", f"scored again, its loss is {again['nll_sum']!r}; "
-                                                         f"the file says {stored!r}")
-    return {"batches": chosen, "cases": checked, "retention_docs": len(docs)}
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None):
+    """Run with `threads` intra-op threads (None: as is), then restore the count."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
 
 
 def _first_token_difference(model, prompt: list[int], stored: list[int], again: list[int]) -> str:
@@ -268,9 +289,12 @@ def find_seed(eval_dirs: dict[str, Path], summaries: dict[str, dict], record: di
 
 
 def validate(run_dir: Path, tokenizer, eval_dirs: dict[str, Path], *, record: dict | None = None,
-             plan_path: Path | None = None, rebuild: bool = True, regenerate_batches: int = 0) -> dict:
-    """Validate every evaluation directory against the run's prepared sets; returns the recounts.
-    record: the study's commitment (finds the seed); plan_path: the plan the prepared inputs are rebuilt from."""
+             plan_path: Path | None = None, rebuild: bool = True, regenerate: bool = True) -> dict:
+    """Validate every evaluation directory against the run's prepared sets; returns the recounts and, per
+    evaluation, the flags and losses it validated (the analysis uses no others).
+    record: the study's commitment (finds the seed); plan_path: the plan the prepared inputs are rebuilt from;
+    regenerate: generate every answer and score every retention document again (False: the stored files are
+    checked against each other only, and the analysis calls the result exploratory)."""
     run_dir = Path(run_dir)
     prepared = rebuild_prepared(run_dir, plan_path, tokenizer) if rebuild else None
     try:
@@ -284,43 +308,73 @@ def validate(run_dir: Path, tokenizer, eval_dirs: dict[str, Path], *, record: di
         if not (Path(d) / "summary.json").is_file():
             _fail(label, str(d), "no summary.json: the evaluation did not finish")
         summaries[label] = json.loads((Path(d) / "summary.json").read_text())
+    if rebuild:
+        check_settings(summaries, Path(plan_path or run_dir / "plan.toml"))
     seed_label = find_seed(eval_dirs, summaries, record)
     seed_rows = None
     if seed_label is not None:
         seed_rows = {r["doc_id"]: r for r in read_jsonl(Path(eval_dirs[seed_label]) / "retention.jsonl")}
-    report, regenerated = {}, {}
+    report = {}
     for label, d in eval_dirs.items():
-        d = Path(d)
-        summary = summaries[label]
-        if summary.get("prepared_identity") != sets.prepared_identity:
-            _fail(label, "summary.json", "scored against another run's prepared sets")
-        rows = read_jsonl(d / "cases.jsonl")
-        per_family = check_cases(label, rows, case_ids, tokenizer, answers)
-        if per_family != summary.get("per_family"):
-            _fail(label, "summary.json", f"per-family counts {summary.get('per_family')} != recount {per_family}")
-        is_seed = label == seed_label
-        if not is_seed and seed_rows is None:
-            _fail(label, "retention.jsonl", "no seed evaluation to recompute its retention change against")
-        if not is_seed and not summary.get("with_seed_retention"):
-            _fail(label, "summary.json", "scored without the seed's retention losses; score it with --seed-eval")
-        retention_rows = read_jsonl(d / "retention.jsonl")
-        check_retention(label, retention_rows, sets.retention, None if is_seed else seed_rows)
-        if sets.heldout:
-            heldout_rows = read_jsonl(d / "heldout.jsonl")
-            check_retention(label, heldout_rows, sets.heldout, None, "heldout")
-            if heldout_summary(heldout_rows) != summary.get("heldout"):
-                _fail(label, "summary.json", f"held-out totals {summary.get('heldout')} != recount "
-                                             f"{heldout_summary(heldout_rows)}")
-        if regenerate_batches > 0:
-            regenerated[label] = regenerate(label, summary, rows, retention_rows, sets, run_dir, tokenizer,
-                                            regenerate_batches)
-        report[label] = {"cases": len(case_ids), "correct": sum(f["correct"] for f in per_family.values()),
-                         "retention_docs": len(sets.retention), "heldout_docs": len(sets.heldout)}
+        report[label] = check_evaluation(label, Path(d), summaries[label], sets, case_ids, tokenizer, run_dir,
+                                         label == seed_label, seed_rows, regenerate, answers)
     out = {"passed": True, "prepared_identity": sets.prepared_identity, "case_ids": len(case_ids),
            "seed": seed_label, "seed_found_by": "record" if record is not None else "label",
-           "prepared": prepared, "evaluations": report}
-    if regenerate_batches > 0:
-        out["regenerated"] = {"machine": machine(), "models": regenerated}
+           "prepared": prepared, "regenerated": regenerate, "evaluations": report}
+    if regenerate:
+        out["machine"] = machine()
+    return out
+
+
+def check_settings(summaries: dict[str, dict], plan_path: Path) -> None:
+    """Each evaluation was scored with the plan's generation settings: regeneration repeats what summary.json says,
+    so a shorter max_new_tokens written there (an answer cut to its right prefix) must not go unseen."""
+    from nshard.run.plan import load_plan
+
+    study = load_plan(plan_path).study
+    for label, summary in summaries.items():
+        for key, want in (("max_new_tokens", study.eval_max_new_tokens), ("batch_size", study.eval_batch_size)):
+            if summary.get(key) != want:
+                _fail(label, "summary.json", f"{key} {summary.get(key)!r} is not the plan's study.eval_{key} "
+                                             f"{want} ({plan_path}); score it again with the plan's settings")
+
+
+def check_evaluation(label: str, d: Path, summary: dict, sets, case_ids: list[str], tokenizer, run_dir: Path,
+                     is_seed: bool, seed_rows: dict | None, regenerate_answers: bool,
+                     answers: dict | None = None) -> dict:
+    """One evaluation directory: its stored files checked against each other and the prepared sets, then (when
+    asked) every answer and loss regenerated: the task cases and the own rows with an expected answer (answers:
+    doc_id -> prepared row), the retention documents and the own held-out rows. Returns what the analysis may use:
+    each case's flag and each document's loss, as validated."""
+    if summary.get("prepared_identity") != sets.prepared_identity:
+        _fail(label, "summary.json", "scored against another run's prepared sets")
+    rows = read_jsonl(d / "cases.jsonl")
+    per_family = check_cases(label, rows, case_ids, tokenizer, answers)
+    if per_family != summary.get("per_family"):
+        _fail(label, "summary.json", f"per-family counts {summary.get('per_family')} != recount {per_family}")
+    if not is_seed and seed_rows is None:
+        _fail(label, "retention.jsonl", "no seed evaluation to recompute its retention change against")
+    if not is_seed and not summary.get("with_seed_retention"):
+        _fail(label, "summary.json", "scored without the seed's retention losses; score it with --seed-eval")
+    retention_rows = read_jsonl(d / "retention.jsonl")
+    check_retention(label, retention_rows, sets.retention, None if is_seed else seed_rows)
+    heldout_rows = []
+    if sets.heldout:
+        heldout_rows = read_jsonl(d / "heldout.jsonl")
+        check_retention(label, heldout_rows, sets.heldout, None, "heldout")
+        if heldout_summary(heldout_rows) != summary.get("heldout"):
+            _fail(label, "summary.json", f"held-out totals {summary.get('heldout')} != recount "
+                                         f"{heldout_summary(heldout_rows)}")
+    regenerated = (regenerate_all(label, summary, rows, retention_rows, sets, run_dir, tokenizer, heldout_rows)
+                   if regenerate_answers else None)
+    out = {"cases": len(case_ids), "correct": sum(f["correct"] for f in per_family.values()),
+           "retention_docs": len(sets.retention), "heldout_docs": len(sets.heldout), "regenerated": regenerated,
+           "case_results": {r["case_id"]: {"family": r["family"], "correct": r["correct"]} for r in rows},
+           "retention_docs_checked": {r["doc_id"]: {"nll_sum": r["nll_sum"], "target_weight": r["target_weight"]}
+                                      for r in retention_rows}}
+    if sets.heldout:
+        out["heldout_docs_checked"] = {r["doc_id"]: {"nll_sum": r["nll_sum"], "target_weight": r["target_weight"]}
+                                       for r in heldout_rows}
     return out
 
 
@@ -330,21 +384,25 @@ def main(argv=None) -> int:
     parser.add_argument("--tokenizer", required=True, type=Path, help="model directory with the tokenizer")
     parser.add_argument("--commitment", type=Path, help="the study's commitment record (finds the seed by its files)")
     parser.add_argument("--plan", type=Path, help="plan to rebuild the prepared inputs from (default: RUN/plan.toml)")
-    parser.add_argument("--regenerate-batches", type=int, default=0, metavar="K",
-                        help="generate K scoring batches of every model again and compare token ids (default 0)")
+    parser.add_argument("--no-regenerate", action="store_true",
+                        help="check the stored files against each other only; the analysis then calls the result "
+                             "exploratory")
+    parser.add_argument("--regenerate-batches", help=argparse.SUPPRESS)
     parser.add_argument("evals", nargs="+", type=Path, help="evaluation directories (label = directory name)")
     args = parser.parse_args(argv)
     from nshard.evidence.commit import CommitError, load_commitment
     from nshard.run.models import ModelRef, load_tokenizer
 
-    if args.regenerate_batches < 0:
-        print("nshard.validate: error: --regenerate-batches must be 0 or more", file=sys.stderr)
+    if args.regenerate_batches is not None:
+        print("nshard.validate: error: --regenerate-batches is gone: validation now generates every answer and "
+              "scores every retention document again (a sample of batches could miss a forged case); drop the "
+              "option, or give --no-regenerate to skip regeneration", file=sys.stderr)
         return 2
     tokenizer = load_tokenizer(ModelRef(str(args.tokenizer), str(args.tokenizer.resolve()), None, "local"))
     try:
         record = load_commitment(args.commitment) if args.commitment else None
         report = validate(args.run, tokenizer, {d.name: d for d in args.evals}, record=record, plan_path=args.plan,
-                          regenerate_batches=args.regenerate_batches)
+                          regenerate=not args.no_regenerate)
     except CommitError as exc:
         print(f"nshard.validate: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,103 @@
+"""Greedy generation time per model with the main job's scoring settings (nshard/study/evaluate.py's
+generate_answers on the plan's fresh cases): fp32 and bf16, one process on both cores or two processes of
+one core each side by side (two models scored at once), and whether repeated passes give the same token ids.
+
+    python -m launch.bench_generate [--model embedded] [--plan launch/plans/cpu-study.toml] [--cases 64]
+        [--batch-size 16] [--max-new-tokens 40] [--dtypes float32,bfloat16]
+
+Prints one JSON object: per setting, seconds per model (a side-by-side pair's wall time over two), each process's
+CPU seconds (what a busy machine's wall times hide), the correct count, and which settings gave identical token ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def worker(model: str, plan: str, cases: int, batch_size: int, max_new_tokens: int, dtype: str, out: Path) -> None:
+    """One model's answers at this process's thread count, timed without the load."""
+    import torch
+
+    from nshard import tasks
+    from nshard.run.device import Placement, load_for_inference
+    from nshard.run.models import load_tokenizer, resolve_model
+    from nshard.run.plan import load_plan
+    from nshard.study.evaluate import generate_answers, prompt_ids
+
+    p = load_plan(Path(plan))
+    per_family = max(1, cases // len(p.data.families))
+    chosen = [tasks.family_module(f).generate(p.data.eval_seed, i) for f in p.data.families for i in range(per_family)]
+    ref = resolve_model(model)
+    tokenizer = load_tokenizer(ref)
+    net = load_for_inference(ref, Placement("cpu", dtype))
+    inputs = [prompt_ids(tokenizer, c) for c in chosen]
+    t0, c0 = time.perf_counter(), time.process_time()
+    answers = generate_answers(net, tokenizer, inputs, max_new_tokens, batch_size, desc=f"{dtype}@{torch.get_num_threads()}")
+    seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    correct = sum(tasks.score(c, tokenizer.decode(a, skip_special_tokens=True)) for c, a in zip(chosen, answers))
+    out.write_text(json.dumps({"seconds": seconds, "cpu_s": cpu_s, "answers": answers, "correct": correct, "cases": len(chosen),
+                               "threads": torch.get_num_threads(), "new_tokens": sum(map(len, answers))}))
+
+
+def run_side_by_side(args, dtype: str, threads: int, copies: int, tmp: Path) -> dict:
+    """`copies` worker processes started together, each on `threads` threads; wall time of the whole set."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TQDM_DISABLE="1")
+    outs = [tmp / f"{dtype}-{threads}-{copies}-{k}.json" for k in range(copies)]
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-m", "launch.bench_generate", "--worker", str(o), "--dtypes", dtype,
+                               "--model", args.model, "--plan", args.plan, "--cases", str(args.cases),
+                               "--batch-size", str(args.batch_size), "--max-new-tokens", str(args.max_new_tokens)],
+                              cwd=REPO, env=env) for o in outs]
+    if any(p.wait() != 0 for p in procs):
+        raise SystemExit(f"bench_generate: a {dtype} worker failed")
+    wall = time.perf_counter() - t0
+    rows = [json.loads(o.read_text()) for o in outs]
+    return {"dtype": dtype, "threads": threads, "processes": copies, "wall_s": wall,
+            "generate_s": [r["seconds"] for r in rows], "cpu_s": [r["cpu_s"] for r in rows], "per_model_s": max(r["seconds"] for r in rows) / copies,
+            "correct": rows[0]["correct"], "cases": rows[0]["cases"], "new_tokens": rows[0]["new_tokens"],
+            "answers": [r["answers"] for r in rows]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="embedded")
+    parser.add_argument("--plan", default=str(REPO / "launch/plans/cpu-study.toml"))
+    parser.add_argument("--cases", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.model, args.plan, args.cases, args.batch_size, args.max_new_tokens, args.dtypes, args.worker)
+        return 0
+    settings = {}
+    with tempfile.TemporaryDirectory(prefix="bench-generate-") as tmp:
+        for dtype in args.dtypes.split(","):
+            # Both cores on one model, then one model per core: the same total work per model either way.
+            settings[f"{dtype} 1x{args.cores}"] = run_side_by_side(args, dtype, args.cores, 1, Path(tmp))
+            if args.cores > 1:
+                settings[f"{dtype} {args.cores}x1"] = run_side_by_side(args, dtype, 1, args.cores, Path(tmp))
+    first = {name: s["answers"][0] for name, s in settings.items()}
+    same = {f"{a} == {b}": first[a] == first[b] for a in first for b in first if a < b}
+    for name, s in settings.items():
+        same[f"{name}: every process"] = all(a == s["answers"][0] for a in s["answers"])
+        del s["answers"]
+    print(json.dumps({"model": args.model, "cases": args.cases, "batch_size": args.batch_size,
+                      "max_new_tokens": args.max_new_tokens, "settings": settings, "identical_token_ids": same},
+                     indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
