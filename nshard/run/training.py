@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from nshard.run import data as data_mod
+from nshard.run import experts as experts_mod
 from nshard.run import device as device_mod
 from nshard.seam import engine as engine_mod
 from nshard.seam import patches
@@ -46,6 +47,8 @@ class Run:
     model.spec."""
     replay: bool = True
     """False (--no-replay): train without the plan's replay documents and without a first cohort's cases."""
+    experts: "experts_mod.ExpertTap | None" = None
+    """A sparse model's router hooks (nshard/run/experts.py), set once the engine is built; None for a dense one."""
 
     @property
     def is_main(self) -> bool:
@@ -127,6 +130,8 @@ def train_update(engine, seam, run: Run, prepared, batch: list[int], pad_id: int
         docs = [prepared[i] for i in (micro or share[0])]
         ids, mask, weights = pad_microbatch(docs, pad_id, zero_weight=not micro)
         device = engine.device
+        if run.experts is not None:
+            run.experts.see(mask if micro else torch.zeros_like(mask))  # a zero-weight rerun is no load
         logits = seam.forward(engine, input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
         nll = weighted_nll_sum(logits, ids.to(device), weights.to(device))
         seam.backward_and_step(engine, nll * scale, last=step == len(share) - 1)
@@ -170,13 +175,17 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
                               deepspeed_grad_bytes=counts["deepspeed_grad_bytes"])
         loss = global_loss(local_nll, batch, prepared, engine.device)
         gap = delta_gap(run, engine.device)
+        experts = run.experts.finish_update(update + 1, run.rank, engine.device) if run.experts else None
+        if experts is not None:
+            receipt.update_experts.append(experts)
         if gap is not None:
             receipt.update_delta_gap.append(gap)
         log.write({"update": update + 1, "loss": loss, "lr": lr, "update_s": seconds, "compressed": compressed,
                    "grad_bytes": grad_bytes, "deepspeed_grad_bytes": counts["deepspeed_grad_bytes"],
                    "reducer_bytes": reducer_bytes, "logged_reducer_bytes": counts["logged_reducer_bytes"],
                    "parameter_bytes": counts["other_bytes"], "microbatch_sums": seam.sums,
-                   **({"delta_gap_max": gap} if gap is not None else {})})
+                   **({"delta_gap_max": gap} if gap is not None else {}),
+                   **({"expert_load": experts["load"], "dead_experts": experts["dead"]} if experts else {})})
         keeper.after_update(update + 1, receipt)
         counter.take()  # a replica check's or state save's collectives belong to no update
     ledger = seam.ledger  # None under DeepSpeed's own reduction
@@ -293,6 +302,7 @@ def run_training(run: Run, overwrite: bool = False, resume_from: state_mod.Resum
     torch.manual_seed(run.plan.train.seed)
     engine = engine_mod.build_engine(load_model(model_ref), run.ds_config)
     seam = engine_mod.install_reducer(engine, run.reducer)
+    run.experts = experts_mod.ExpertTap.find(engine.module, list(prepared[0].input_ids))
     keeper = state_mod.StateKeeper(run, engine, seam, identity)
     start, receipt = keeper.restore(resume_from) if resume_from else (0, None)
     started = start_cohort(run, engine, seam) if run.start and not resume_from else None
@@ -310,7 +320,8 @@ def run_training(run: Run, overwrite: bool = False, resume_from: state_mod.Resum
              "parameter_all_gather": patches.parameter_all_gather(engine),
              "reduction_ran": reduction_ran(seam, receipt),
              **patches.optimizer_memory(engine), "device": str(engine.device),
-             "optimizer": patches.optimizer_classes(engine), "determinism": determinism}
+             "optimizer": patches.optimizer_classes(engine), "determinism": determinism,
+             "experts": run.experts and {**run.experts.declared(), **experts_mod.summary(receipt.update_experts)}}
     body = receipt.finish(run.out / "receipts" / f"rank-{run.rank}.json", root, active_plus_checkpoint, extra)
     dist.barrier()
     if run.is_main:
