@@ -1,7 +1,7 @@
 """Sparse upcycling (`python -m nshard.grow`): a Llama export becomes a Mixtral-style model whose E experts per
 layer are copies of that layer's MLP, with a seeded top-k router, sealed with its own manifest and provenance.
 
-    python -m nshard.grow --from SOURCE --out DIR [--experts 4] [--top_k 2] [--seed 0] [--router_std 0.02]
+    python -m nshard.grow --from SOURCE --out DIR [--experts 4] [--top_k 2] [--seed 0] [--router_std 0.02] [--aux_coef 0.01]
 
 SOURCE is an accepted study (its candidate's export, checked as a second cohort checks it) or an nshard run
 directory (its model/ and run.json). Identical experts make every routing give the dense MLP's output, since
@@ -45,12 +45,16 @@ class Growth:
     top_k: int = 2
     seed: int = 0
     router_std: float = 0.02
+    aux_coef: float = 0.01
+    """router_aux_loss_coef of the grown config: the weight of the load-balancing loss nshard adds in training."""
 
     def check(self) -> None:
         if self.experts < 2:
             raise GrowError(f"--experts {self.experts}: an upcycled model needs at least 2 experts per layer")
         if not 1 <= self.top_k <= self.experts:
             raise GrowError(f"--top_k {self.top_k}: choose 1 <= top_k <= experts ({self.experts})")
+        if not self.aux_coef >= 0:
+            raise GrowError(f"--aux_coef {self.aux_coef}: the load-balancing weight must be >= 0 (0: none)")
         if not self.router_std > 0:
             raise GrowError(f"--router_std {self.router_std}: a zero router ties every expert and routes all "
                             "tokens to the first top_k (dead experts); give a positive std such as 0.02")
@@ -96,7 +100,8 @@ def mixtral_config(llama, growth: Growth):
                             "cannot be upcycled exactly")
     carried = {key: getattr(llama, key) for key in CARRIED if getattr(llama, key, None) is not None}
     return MixtralConfig(**carried, num_local_experts=growth.experts, num_experts_per_tok=growth.top_k,
-                         router_jitter_noise=0.0, output_router_logits=False, sliding_window=None)
+                         router_jitter_noise=0.0, output_router_logits=False, sliding_window=None,
+                         router_aux_loss_coef=growth.aux_coef)
 
 
 def upcycled_state(dense: dict[str, torch.Tensor], n_layers: int, growth: Growth, hidden: int) -> dict:
@@ -141,6 +146,15 @@ def upcycle(model_dir: Path, growth: Growth):
     return grown.eval(), AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
 
+def parameter_counts(model, growth: Growth) -> dict:
+    """All parameters, the experts' share, and those one token passes through (top_k of E experts per layer): the
+    count a FLOPs budget (about 6 x active parameters per trained token) prices a token at."""
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    return {"parameters": total, "expert_parameters": experts,
+            "active_parameters_per_token": total - experts + experts * growth.top_k // growth.experts}
+
+
 def grow(source: Path, out: Path, growth: Growth) -> dict:
     """Upcycle the source's export into `out` (staged, then one rename) and seal it; returns the manifest."""
     out = Path(out)
@@ -158,8 +172,9 @@ def grow(source: Path, out: Path, growth: Growth) -> dict:
                   "parameter_root": source_manifest["parameter_root"],
                   "plan_sha256": source_manifest.get("plan_sha256"),
                   "prepared_identity": source_manifest.get("prepared_identity")},
-              "architecture": "MixtralForCausalLM", "parameters": sum(p.numel() for p in grown.parameters()),
-              "aux_loss": "none: transformers' load-balancing loss is not added (nshard's loss is the weighted NLL)"}
+              "architecture": "MixtralForCausalLM", **parameter_counts(grown, growth),
+              "aux_loss": {"router_aux_loss_coef": growth.aux_coef,
+                           "how": "nshard adds a per-document load-balancing loss (nshard/run/experts.py) in training"}}
     with staged_dir(out, "grow") as tmp:
         grown.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -178,9 +193,11 @@ def main(argv=None) -> int:
     parser.add_argument("--top_k", type=int, default=Growth.top_k)
     parser.add_argument("--seed", type=int, default=Growth.seed, help="the router's seed")
     parser.add_argument("--router_std", type=float, default=Growth.router_std)
+    parser.add_argument("--aux_coef", type=float, default=Growth.aux_coef,
+                        help="router_aux_loss_coef: the load-balancing loss's weight in training (0: none)")
     args = parser.parse_args(argv)
     try:
-        manifest = grow(args.source, args.out, Growth(args.experts, args.top_k, args.seed, args.router_std))
+        manifest = grow(args.source, args.out, Growth(args.experts, args.top_k, args.seed, args.router_std, args.aux_coef))
     except GrowError as exc:
         print(f"nshard.grow: {exc}", file=sys.stderr)
         return 2

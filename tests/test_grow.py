@@ -77,8 +77,17 @@ def test_grown_export_has_its_own_manifest_naming_the_source_and_its_record(dens
     assert source["manifest_sha256"] == file_sha256(dense / "model" / "manifest.json")
     assert source["parameter_root"] == json.loads((dense / "run.json").read_text())["parameter_root"]
     assert manifest["parameter_root"] != source["parameter_root"]
-    assert manifest["grown"]["growth"] == {"experts": 4, "top_k": 2, "seed": 3, "router_std": 0.02}
+    assert manifest["grown"]["growth"] == {"experts": 4, "top_k": 2, "seed": 3, "router_std": 0.02, "aux_coef": 0.01}
     assert json.loads((grown / "nshard-grown.json").read_text()) == manifest["grown"]
+    # Tiny Llama: 2 layers of 3 x (128 x 64) MLP weights, 4 copies each; a token passes through 2 of the 4.
+    mlp = 2 * 3 * 128 * 64
+    assert manifest["grown"]["expert_parameters"] == 4 * mlp
+    from transformers import AutoModelForCausalLM
+
+    dense_count = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(dense / "model").parameters())
+    routers = 2 * 4 * 64
+    assert manifest["grown"]["parameters"] == dense_count + 3 * mlp + routers
+    assert manifest["grown"]["active_parameters_per_token"] == dense_count + mlp + routers
 
 
 def test_the_router_seed_is_the_only_difference_between_two_growths(dense, grown, tmp_path):

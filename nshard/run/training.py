@@ -130,13 +130,24 @@ def train_update(engine, seam, run: Run, prepared, batch: list[int], pad_id: int
         docs = [prepared[i] for i in (micro or share[0])]
         ids, mask, weights = pad_microbatch(docs, pad_id, zero_weight=not micro)
         device = engine.device
+        sparse = {"output_router_logits": True} if run.experts is not None else {}
         if run.experts is not None:
             run.experts.see(mask if micro else torch.zeros_like(mask))  # a zero-weight rerun is no load
-        logits = seam.forward(engine, input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
-        nll = weighted_nll_sum(logits, ids.to(device), weights.to(device))
-        seam.backward_and_step(engine, nll * scale, last=step == len(share) - 1)
+        out = seam.forward(engine, input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False, **sparse)
+        nll = weighted_nll_sum(out.logits, ids.to(device), weights.to(device))
+        loss = nll * scale + aux_loss(run, out, mask.to(device), [d.target_weight / global_weight if micro else 0.0
+                                                                 for d in docs])
+        seam.backward_and_step(engine, loss, last=step == len(share) - 1)
         local_nll += nll.item()
     return local_nll
+
+
+def aux_loss(run: Run, out, mask: torch.Tensor, shares: list[float]):
+    """A sparse model's declared load-balancing term (nshard/run/experts.py), on DeepSpeed's backward scale; 0 for a
+    dense model or a zero router_aux_loss_coef."""
+    if run.experts is None or not run.experts.coef:
+        return 0.0
+    return run.experts.aux_term(out.router_logits, mask, torch.tensor(shares)) * deepspeed_backward_scale(run.world)
 
 
 def global_loss(local_nll: float, batch: list[int], prepared, device) -> float:
@@ -185,7 +196,8 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
                    "reducer_bytes": reducer_bytes, "logged_reducer_bytes": counts["logged_reducer_bytes"],
                    "parameter_bytes": counts["other_bytes"], "microbatch_sums": seam.sums,
                    **({"delta_gap_max": gap} if gap is not None else {}),
-                   **({"expert_load": experts["load"], "dead_experts": experts["dead"]} if experts else {})})
+                   **({"expert_load": experts["load"], "dead_experts": experts["dead"],
+                       "aux_loss": experts["aux_loss"]} if experts else {})})
         keeper.after_update(update + 1, receipt)
         counter.take()  # a replica check's or state save's collectives belong to no update
     ledger = seam.ledger  # None under DeepSpeed's own reduction
