@@ -671,7 +671,29 @@ def write_plots(results: dict, out: Path) -> list[Path]:
         ax.set_title(f"{title}{tag}")
         ax.legend()
         paths.append(_save(fig, out / name))
+    sparse = [a for a in results["arms"] if a["status"] == "complete" and any("expert_load" in m for m in a["metrics"])]
+    if sparse:
+        paths.append(expert_load_plot(plt, sparse, out / "expert_load.png", tag))
     return paths
+
+
+def expert_load_plot(plt, arms: list[dict], path: Path, tag: str) -> Path:
+    """Per sparse arm: each layer's share of routed slots per expert over the run (nshard/run/experts.py's receipts),
+    and the smallest share any expert had in any update (0: a dead expert)."""
+    fig, axes = plt.subplots(1, len(arms), figsize=(4 + 3 * len(arms), 4.5), squeeze=False)
+    for ax, arm in zip(axes[0], arms):
+        loads = [m["expert_load"] for m in arm["metrics"] if "expert_load" in m]  # [update][layer][expert]
+        layers, experts = len(loads[0]), len(loads[0][0])
+        share = [[sum(u[l][e] for u in loads) / max(1, sum(sum(u[l]) for u in loads)) for l in range(layers)]
+                 for e in range(experts)]
+        least = min(u[l][e] / max(1, sum(u[l])) for u in loads for l in range(layers) for e in range(experts))
+        image = ax.imshow(share, aspect="auto", cmap="viridis", vmin=0)
+        ax.set_xlabel("layer")
+        ax.set_ylabel("expert")
+        ax.set_title(f"{arm['name']}: router load share\nleast in any update {100 * least:.1f}%")
+        fig.colorbar(image, ax=ax)
+    fig.suptitle(f"Expert load over the run{tag}")
+    return _save(fig, path)
 
 
 def _save(fig, path: Path) -> Path:

@@ -554,3 +554,13 @@ def test_validation_without_regeneration_makes_the_result_exploratory(tmp_path):
     results = write_outputs(root)
     assert results["exploratory"] and "validation did not generate the answers again" in results["exploratory_reasons"][0]
     assert "EXPLORATORY" in (root / "report.md").read_text()
+
+
+def test_a_sparse_arm_gets_an_expert_load_plot(tmp_path):
+    root = make_study(tmp_path, candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
+    metrics = Path(json.loads((root / "study.json").read_text())["arms"][2]["run_dir"]) / "metrics.jsonl"
+    write_jsonl(metrics, [{"update": u, "loss": 2.0 - u / 4, "expert_load": [[5, 3, 0, 8], [4, 4, 4, 4]]}
+                          for u in (1, 2)])
+    results = write_outputs(root)
+    assert "plots/expert_load.png" in json.loads((root / "results.json").read_text())["plots"]
+    assert (root / "plots" / "expert_load.png").stat().st_size > 1000 and results["arms"][2]["metrics"]

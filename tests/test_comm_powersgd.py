@@ -13,6 +13,7 @@ SHAPES = {
     "a.weight": (16, 24),
     "b.weight": (16, 24),  # same shape as a: batched with it
     "conv.weight": (8, 4, 3),  # viewed as (8, 12)
+    "moe.experts.w": (3, 16, 24),  # fused experts: three (16, 24) matrices, batched with a and b
     "emb.weight": (40, 8),
     "norm.bias": (16,),
     "scale": (),
@@ -20,7 +21,17 @@ SHAPES = {
 CONFIG = {"reducer": "powersgd", "rank": 2, "dense_warmup_updates": 2, "min_compression_rate": 1,
           "warm_start": True, "seed": 7, "transport": "torch"}
 # With rank 2 and min_compression_rate 1 every >= 2-D tensor above compresses; (n, m, r) per matrix.
-COMPRESSED = {"a.weight": (16, 24, 2), "b.weight": (16, 24, 2), "conv.weight": (8, 12, 2), "emb.weight": (40, 8, 2)}
+COMPRESSED = {"a.weight": (16, 24, 2), "b.weight": (16, 24, 2), "conv.weight": (8, 12, 2), "emb.weight": (40, 8, 2),
+              **{f"moe.experts.w[{e}]": (16, 24, 2) for e in range(3)}}
+COMPRESSED_PARAMS = {name.split("[")[0] for name in COMPRESSED}
+
+
+def unit(tensors: dict, name: str) -> torch.Tensor:
+    """A compressed unit of parameter-keyed tensors: the parameter, or one expert `param[e]` of a stack."""
+    if name.endswith("]"):
+        param, index = name[:-1].split("[")
+        return tensors[param][int(index)]
+    return tensors[name]
 UPDATES, RESUME_AFTER = 6, 3
 
 
@@ -158,6 +169,37 @@ def disagree_scenario(rank: int, world: int) -> dict:
     return messages
 
 
+EXPERT_SHAPES = {"moe.experts.w": (3, 12, 8), "moe.gate.weight": (3, 4)}
+
+
+def experts_scenario(rank: int, world: int) -> dict:
+    """The same gradients three ways: a fused [3, 12, 8] expert stack; its three slices as separate (12, 8)
+    parameters named as the stack's units; the stack under a name outside an `experts` module (one (3, 96) matrix)."""
+    from nshard.comm import build_reducer
+
+    config = {**CONFIG, "dense_warmup_updates": 0}
+    ways = {"stack": EXPERT_SHAPES, "slices": {**{f"moe.experts.w[{e}]": (12, 8) for e in range(3)},
+                                               "moe.gate.weight": (3, 4)},
+            "flat": {"moe.w": (3, 12, 8), "moe.gate.weight": (3, 4)}}
+    out = {}
+    for way, shapes in ways.items():
+        reducer, outputs = build_reducer(config), []
+        for update in range(4):
+            grads = grads_for(rank, update, shapes=EXPERT_SHAPES)
+            if way == "slices":
+                grads = {**{f"moe.experts.w[{e}]": grads["moe.experts.w"][e].clone() for e in range(3)},
+                         "moe.gate.weight": grads["moe.gate.weight"]}
+            elif way == "flat":
+                grads = {"moe.w": grads["moe.experts.w"], "moe.gate.weight": grads["moe.gate.weight"]}
+            reducer.reduce(grads)
+            outputs.append(grads)
+        layout = reducer.state.layout
+        out[way] = {"outputs": outputs, "state": copy.deepcopy(reducer.state_dict()),
+                    "units": [(s.name, s.param, s.index, s.n, s.m) for s in layout.matrices],
+                    "groups": [(g.n, g.m, g.count) for g in layout.groups], "dense": list(layout.dense_names)}
+    return out
+
+
 def all_scenarios(rank: int, world: int) -> dict:
     # One spawn per world size for the whole file: starting ranks (torch imports on two cores) costs ~5 s.
     return {
@@ -167,6 +209,7 @@ def all_scenarios(rank: int, world: int) -> dict:
         "reference": reference_scenario(rank, world),
         "disagree": disagree_scenario(rank, world),
         "misuse": misuse_scenario(rank, world),
+        "experts": experts_scenario(rank, world),
     }
 
 
@@ -235,7 +278,7 @@ def test_summed_update_refuses_misuse(ranks):
     for result in ranks:
         misuse = result["misuse"]
         assert misuse["host_sums"] == [] and misuse["dense_sums"] == []  # nothing to sum into
-        assert misuse["device_sums"] == sorted(COMPRESSED)
+        assert misuse["device_sums"] == sorted(COMPRESSED_PARAMS)
         assert "dense remainder" in misuse["host_reduce"] and "dense remainder" in misuse["matrix_as_dense"]
 
 
@@ -250,9 +293,9 @@ def test_error_feedback_loses_nothing(kind, dtype, ranks):
     results = [r[kind] for r in ranks]
     want = _mean_grad_sum(dtype, len(results))
     for name in COMPRESSED:
-        outputs = sum(out[name].double() for out in results[0]["outputs"]["device"])
+        outputs = sum(unit(out, name).double() for out in results[0]["outputs"]["device"])
         errors = sum(r["state"]["device"]["errors"][name].double() for r in results) / len(results)
-        torch.testing.assert_close(outputs + errors, want[name], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(outputs + errors, unit(want, name), rtol=1e-5, atol=1e-5)
 
 
 def test_restored_reducer_continues_bit_identically(fp32_run):
@@ -268,7 +311,7 @@ def test_restored_reducer_continues_bit_identically(fp32_run):
 
 def test_ledger_bytes_follow_the_formula(fp32_run):
     dense_numel = sum(torch.Size(s).numel() for s in SHAPES.values())
-    remainder_numel = sum(torch.Size(s).numel() for name, s in SHAPES.items() if name not in COMPRESSED)
+    remainder_numel = sum(torch.Size(s).numel() for name, s in SHAPES.items() if name not in COMPRESSED_PARAMS)
     for result in fp32_run:
         assert result["updates"] == UPDATES
         for record in result["ledger"]:
@@ -349,3 +392,21 @@ def test_ranks_with_different_parameters_stop_at_register_naming_the_parameter(r
         for name in ("dense", "powersgd"):
             assert messages[name] == (f"ranks hold different parameters: 'b.weight' is shape (16, 24) on rank 0 "
                                       f"and shape (16, 25) on rank {last}; every rank must build the same model")
+
+
+def test_fused_experts_are_compressed_one_matrix_per_expert_keyed_by_name(ranks):
+    """Issue 27 item 2: a [E, n, m] expert stack is E (n, m) matrices named `param[e]`, one QR group, and gives
+    bit for bit what E separate parameters of those names give (outputs, errors, Q); not one (E, n*m) matrix."""
+    for result in (r["experts"] for r in ranks):
+        stack, slices, flat = result["stack"], result["slices"], result["flat"]
+        assert stack["units"] == [(f"moe.experts.w[{e}]", "moe.experts.w", e, 12, 8) for e in range(3)]
+        assert stack["groups"] == [(12, 8, 3)] and stack["dense"] == ["moe.gate.weight"]
+        assert flat["units"] == [("moe.w", "moe.w", None, 3, 96)]
+        for got, want, other in zip(stack["outputs"], slices["outputs"], flat["outputs"], strict=True):
+            for e in range(3):
+                assert torch.equal(got["moe.experts.w"][e], want[f"moe.experts.w[{e}]"])
+            assert not torch.equal(got["moe.experts.w"], other["moe.w"])
+        for part in ("errors", "q"):
+            assert stack["state"][part].keys() == slices["state"][part].keys()
+            assert_all_equal(stack["state"][part], slices["state"][part])
+        assert stack["state"]["shapes"] == {"moe.experts.w": (3, 12, 8), "moe.gate.weight": (3, 4)}

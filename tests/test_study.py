@@ -799,3 +799,37 @@ def test_a_damaged_or_foreign_commitment_stops_the_study_and_stays(study, tmp_pa
     with pytest.raises(CommitError):
         commit_candidates(tmp_path, Path(record["seed"]["model_dir"]), arms)
     assert (tmp_path / "commitment.json").read_bytes() == before
+
+
+# ---------------------------------------------------------------- a growth from this study
+
+
+def grow_cli(source: Path, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nshard.grow", "--from", str(source), "--out", str(out)], cwd=REPO,
+                          env=run_env(), capture_output=True, text=True, timeout=300)
+
+
+def test_a_growth_starts_from_the_accepted_candidate_and_names_its_record(accepted, tmp_path):
+    from nshard.evidence.export import verify_manifest
+
+    proc = grow_cli(accepted, tmp_path / "grown")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    source = verify_manifest(tmp_path / "grown")["grown"]["source"]
+    record = load_commitment(accepted / "commitment.json")
+    entry = next(c for c in record["candidates"] if c["name"] == "powersgd")
+    assert source["kind"] == "accepted study" and source["candidate"] == "powersgd"
+    assert source["commitment_sha256"] == record["record_sha256"]
+    assert source["parameter_root"] == entry["parameter_root"] and source["model_files"] == entry["files"]
+
+
+def test_a_growth_from_an_unaccepted_study_or_a_tampered_export_is_refused(study, accepted, tmp_path):
+    proc = grow_cli(study["out"], tmp_path / "unaccepted")
+    assert proc.returncode == 2 and "did not pass its quality screen" in proc.stderr, proc.stderr
+    def flip(copy):
+        weights = copy / "arms/powersgd/model/model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-10] ^= 0x01
+        weights.write_bytes(bytes(data))
+    proc = grow_cli(edited_copy(accepted, tmp_path, flip), tmp_path / "tampered")
+    assert proc.returncode == 2 and "is not what the study committed and judged" in proc.stderr, proc.stderr
+    assert not (tmp_path / "unaccepted").exists() and not (tmp_path / "tampered").exists()

@@ -24,7 +24,7 @@ def _expected_shapes(layout: Layout | None, part: str) -> dict[str, torch.Size]:
     if layout is None:
         return {}
     if part == "errors":
-        return {s.name: layout.shapes[s.name] for s in layout.matrices}
+        return {s.name: layout.error_shape(s) for s in layout.matrices}
     return {s.name: torch.Size((s.m, s.r)) for s in layout.matrices}
 
 

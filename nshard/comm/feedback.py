@@ -18,6 +18,9 @@ class ErrorMemory:
 
     def __init__(self):
         self.tensors: dict[str, torch.Tensor] = {}
+        self.blocks: dict[str, torch.Tensor] = {}
+        """A stacked parameter's errors in one (E, n, m) tensor, whose [e] views are its units' `tensors`, so the
+        parameter-shaped error that gradients are summed into (PowerSGDReducer.error_sums) is one tensor."""
 
     def home(self, device: torch.device) -> tuple[torch.device, bool]:
         """(device, pinned) where the memory lives when gradients are on `device`."""
@@ -26,17 +29,36 @@ class ErrorMemory:
     def ensure(self, matrices: Iterable[MatrixSlot], device: torch.device) -> None:
         """Zero-fill missing errors and move loaded ones home, before the first compressed update uses them."""
         home, pinned = self.home(device)
+        stacks: dict[str, list[MatrixSlot]] = {}
         for slot in matrices:
+            if slot.index is not None:
+                stacks.setdefault(slot.param, []).append(slot)
+                continue
             error = self.tensors.get(slot.name)
             if error is None:
                 self.tensors[slot.name] = torch.zeros(slot.n, slot.m, device=home, pin_memory=pinned)
             elif error.device != home or (pinned and not error.is_pinned()):
                 moved = error.to(home, torch.float32)
                 self.tensors[slot.name] = moved.pin_memory() if pinned else moved
+        for param, slots in stacks.items():
+            self._ensure_block(param, slots, home, pinned)
+
+    def _ensure_block(self, param: str, slots: list[MatrixSlot], home: torch.device, pinned: bool) -> None:
+        block = self.blocks.get(param)
+        if block is not None and block.device == home and (block.is_pinned() or not pinned):
+            return
+        block = torch.zeros(len(slots), slots[0].n, slots[0].m, device=home, pin_memory=pinned)
+        for slot in slots:  # a loaded (or moved) error goes into its place in the block
+            if slot.name in self.tensors:
+                block[slot.index].copy_(self.tensors[slot.name])
+        self.blocks[param] = block
+        for slot in slots:
+            self.tensors[slot.name] = block[slot.index]
 
     def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Take fp32 copies of saved (n, m) errors; ensure() moves them home once the device is known."""
         self.tensors = {name: t.detach().to(torch.float32, copy=True) for name, t in tensors.items()}
+        self.blocks = {}
 
     def accumulate(self, name: str, grad_2d: torch.Tensor) -> None:
         """Fold this update's gradient in, once, before compute_p."""

@@ -1,4 +1,9 @@
-"""Which gradients PowerSGD compresses, and where each one's P and Q live in the flat buffers."""
+"""Which gradients PowerSGD compresses, and where each one's P and Q live in the flat buffers.
+
+A 3-D parameter of an `experts` module is a stack of matrices (transformers' fused experts: Mixtral's
+`mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj` [E, H, I]): each expert's matrix is compressed on
+its own, as the unfused model's would be, under the name `param[e]`. Every other parameter (a 3-D convolution
+kernel too) is one (shape[0], rest) matrix under its own name."""
 
 from __future__ import annotations
 
@@ -13,11 +18,16 @@ class MatrixSlot:
     """One compressed gradient seen as an (n, m) matrix with rank-r factors P (n, r) and Q (m, r)."""
 
     name: str
+    """The unit's name: the parameter's, or `param[e]` for expert e of a stacked (3-D) parameter."""
     n: int
     m: int
     r: int
     p_offset: int
     q_offset: int
+    param: str
+    """The parameter whose gradient holds this matrix."""
+    index: int | None = None
+    """The matrix's index along a stacked parameter's first dimension (None: the whole parameter)."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,33 @@ class Layout:
     groups: tuple[GroupSlot, ...]
     p_numel: int
     q_numel: int
+
+    def error_shape(self, slot: MatrixSlot) -> torch.Size:
+        """The shape a unit's error memory is saved in: the parameter's, or (n, m) for one expert of a stack."""
+        return self.shapes[slot.param] if slot.index is None else torch.Size((slot.n, slot.m))
+
+    def compressed(self) -> dict[str, tuple[MatrixSlot, ...]]:
+        """Each compressed parameter's units, in layout order (one for a matrix, one per expert for a stack)."""
+        out: dict[str, list[MatrixSlot]] = {}
+        for slot in self.matrices:
+            out.setdefault(slot.param, []).append(slot)
+        return {param: tuple(sorted(slots, key=lambda s: s.index or 0)) for param, slots in out.items()}
+
+
+EXPERTS = "experts"
+"""The module name under which transformers keeps fused expert tensors (one [E, out, in] parameter per projection)."""
+
+
+def stacked(name: str, shape: Sequence[int]) -> bool:
+    """A 3-D parameter of an `experts` module is a stack of per-expert matrices along its first dimension."""
+    return len(shape) == 3 and EXPERTS in name.split(".")[:-1]
+
+
+def units(name: str, shape: torch.Size) -> list[tuple[str, int | None, torch.Size]]:
+    """(unit name, index, matrix shape) of the matrices a parameter's gradient is compressed as."""
+    if stacked(name, shape):
+        return [(f"{name}[{e}]", e, torch.Size(shape[1:])) for e in range(shape[0])]
+    return [(name, None, shape)]
 
 
 def p_block(p_flat: torch.Tensor, slot: MatrixSlot) -> torch.Tensor:
@@ -76,25 +113,28 @@ def should_compress(shape: Sequence[int], rank: int, min_compression_rate: float
     return effective_rank(n, m, rank) * (n + m) * min_compression_rate <= n * m
 
 
-def _group_by_shape(names: list[str], shapes: Mapping[str, torch.Size]) -> dict[tuple[int, int], list[str]]:
+def _group_by_shape(members: list[tuple[str, str, int | None, torch.Size]]) -> dict[tuple[int, int], list]:
     # Insertion order = first appearance in sorted names: deterministic, so collectives line up on all ranks.
-    groups: dict[tuple[int, int], list[str]] = {}
-    for name in names:
-        groups.setdefault(matrix_shape(shapes[name]), []).append(name)
+    groups: dict[tuple[int, int], list] = {}
+    for member in members:
+        groups.setdefault(matrix_shape(member[3]), []).append(member)
     return groups
 
 
 def build_layout(named_shapes: Mapping[str, Sequence[int]], rank: int, min_compression_rate: float) -> Layout:
-    """Sort names, split dense from compressed, and give every compressed matrix its P and Q offsets."""
+    """Sort names, split dense from compressed (a stack by its experts' matrix shape), and give every compressed
+    matrix its P and Q offsets."""
     shapes = {name: torch.Size(named_shapes[name]) for name in sorted(named_shapes)}
-    compressed = [name for name, s in shapes.items() if should_compress(s, rank, min_compression_rate)]
-    dense_names = tuple(name for name in shapes if name not in set(compressed))
+    members = [(unit, name, index, shape) for name, s in shapes.items() for unit, index, shape in units(name, s)
+               if should_compress(shape, rank, min_compression_rate)]
+    compressed = {param for _, param, _, _ in members}
+    dense_names = tuple(name for name in shapes if name not in compressed)
     matrices, groups, p_offset, q_offset = [], [], 0, 0
-    for (n, m), members in _group_by_shape(compressed, shapes).items():
+    for (n, m), group in _group_by_shape(members).items():
         r = effective_rank(n, m, rank)
-        groups.append(GroupSlot(n, m, r, len(members), p_offset))
-        for name in members:
-            matrices.append(MatrixSlot(name, n, m, r, p_offset, q_offset))
+        groups.append(GroupSlot(n, m, r, len(group), p_offset))
+        for unit, param, index, _ in group:
+            matrices.append(MatrixSlot(unit, n, m, r, p_offset, q_offset, param, index))
             p_offset += n * r
             q_offset += m * r
     return Layout(shapes, dense_names, tuple(matrices), tuple(groups), p_offset, q_offset)

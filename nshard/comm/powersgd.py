@@ -49,6 +49,12 @@ def as_matrix(grad: torch.Tensor) -> torch.Tensor:
     return grad.reshape(grad.shape[0], -1)
 
 
+def unit_grad(grads: Mapping[str, torch.Tensor], slot: MatrixSlot) -> torch.Tensor:
+    """The part of its parameter's gradient a unit compresses: the whole gradient, or one expert's [e] view."""
+    grad = grads[slot.param]
+    return grad if slot.index is None else grad[slot.index]
+
+
 def draw_q(generator: torch.Generator, numel: int, device: torch.device) -> torch.Tensor:
     """Gaussian Q drawn on CPU from the shared generator: same seed and order give the same Q on every replica."""
     return torch.randn(numel, generator=generator, dtype=torch.float32).to(device)
@@ -57,7 +63,7 @@ def draw_q(generator: torch.Generator, numel: int, device: torch.device) -> torc
 def compute_p(state: PowerSGDState, grads: Mapping[str, torch.Tensor]) -> None:
     """P = M Q for every compressed matrix, each written into its block of the flat P buffer."""
     for slot in state.layout.matrices:
-        m = state.errors.matrix(slot.name, as_matrix(grads[slot.name]))
+        m = state.errors.matrix(slot.name, as_matrix(unit_grad(grads, slot)))
         torch.matmul(m, q_block(state.q_flat, slot), out=p_block(state.p_flat, slot))
 
 
@@ -75,7 +81,7 @@ def orthogonalize(state: PowerSGDState) -> None:
 def compute_q(state: PowerSGDState, grads: Mapping[str, torch.Tensor]) -> None:
     """Q = Mᵀ P (P orthonormal), each written into its block of the flat Q buffer."""
     for slot in state.layout.matrices:
-        m = state.errors.matrix(slot.name, as_matrix(grads[slot.name]))
+        m = state.errors.matrix(slot.name, as_matrix(unit_grad(grads, slot)))
         torch.matmul(m.T, p_block(state.p_flat, slot), out=q_block(state.q_flat, slot))
 
 
@@ -101,10 +107,10 @@ def update_error(state: PowerSGDState, slot: MatrixSlot, m: torch.Tensor, grad: 
 
 def decompress_all(state: PowerSGDState, grads: Mapping[str, torch.Tensor]) -> None:
     for slot in state.layout.matrices:
-        grad = grads[slot.name]
+        grad = unit_grad(grads, slot)
         m = state.errors.matrix(slot.name, as_matrix(grad))  # before the gradient is overwritten
         decompress(p_block(state.p_flat, slot), q_block(state.q_flat, slot), grad)
-        round_to_delivered(grad, state.delivered_dtypes.get(slot.name))
+        round_to_delivered(grad, state.delivered_dtypes.get(slot.param))
         update_error(state, slot, m, grad)
 
 
@@ -140,10 +146,10 @@ def start_compressed(state: PowerSGDState, grads: Mapping[str, torch.Tensor], tr
     dense_sent = all_reduce_mean_([grads[name] for name in layout.dense_names], transport)
     if not layout.matrices:
         return {"dense": dense_sent}, None
-    prepare_buffers(state, grads[layout.matrices[0].name].device)
+    prepare_buffers(state, grads[layout.matrices[0].param].device)
     if not summed:
         for slot in layout.matrices:
-            state.errors.accumulate(slot.name, as_matrix(grads[slot.name]))
+            state.errors.accumulate(slot.name, as_matrix(unit_grad(grads, slot)))
     compute_p(state, grads)
     p_sent = transport.all_reduce_sum_(state.p_flat)  # a sum: orthogonalization removes the scale
     orthogonalize(state)
@@ -186,7 +192,7 @@ class SummedUpdate:
             raise ValueError("reduce_summed() takes the gradients of the dense remainder "
                              f"{list(state.layout.dense_names) if state.layout else []}, after the compressed "
                              "matrices' were added to error_sums() (device error memory only)")
-        self.slots = {slot.name: slot for slot in state.layout.matrices}
+        self.slots = state.layout.compressed()
         grads = sorted_grads({**dense_grads, **errors})
         reducer.register({name: g.shape for name, g in grads.items()}, "reduce_summed() gradients")
         self.errors = errors
@@ -204,10 +210,19 @@ class SummedUpdate:
         if self.warmup:
             return self.errors[name]  # the average, in place; zeroed by finish()
         state = self.reducer.state
-        slot = self.slots[name]
-        out = torch.matmul(p_block(state.p_flat, slot), q_block(state.q_flat, slot).T)
+        slots = self.slots[name]
+        if slots[0].index is None:
+            slot = slots[0]
+            out = torch.matmul(p_block(state.p_flat, slot), q_block(state.q_flat, slot).T)
+            round_to_delivered(out, state.delivered_dtypes.get(name))
+            state.errors.settle(name, state.errors.tensors[name], out)
+            return out.view(self.errors[name].shape)
+        out = torch.empty((len(slots), slots[0].n, slots[0].m), dtype=torch.float32, device=self.errors[name].device)
+        for i, slot in enumerate(slots):
+            torch.matmul(p_block(state.p_flat, slot), q_block(state.q_flat, slot).T, out=out[i])
         round_to_delivered(out, state.delivered_dtypes.get(name))
-        state.errors.settle(name, state.errors.tensors[name], out)
+        for i, slot in enumerate(slots):
+            state.errors.settle(slot.name, state.errors.tensors[slot.name], out[i])
         return out.view(self.errors[name].shape)
 
     def finish(self) -> None:
@@ -279,8 +294,14 @@ class PowerSGDReducer:
         state = self.state
         if not isinstance(state.errors, DeviceErrorMemory) or state.layout is None:
             return {}
-        return {s.name: state.errors.tensors[s.name].view(state.layout.shapes[s.name])
-                for s in state.layout.matrices if s.name in state.errors.tensors}
+        errors, shapes = state.errors, state.layout.shapes
+        views = {}
+        for param, slots in state.layout.compressed().items():
+            if slots[0].index is not None and param in errors.blocks:
+                views[param] = errors.blocks[param]
+            elif slots[0].index is None and param in errors.tensors:
+                views[param] = errors.tensors[param].view(shapes[param])
+        return views
 
     def reduce_summed(self, dense_grads: Mapping[str, torch.Tensor]) -> SummedUpdate:
         """Like reduce(), after each compressed matrix's gradient was added to error_sums(): the dense
@@ -309,7 +330,8 @@ class PowerSGDReducer:
             "updates": state.updates,
             "rng": state.generator.get_state(),
             "shapes": {name: tuple(s) for name, s in shapes.items()},
-            "errors": {name: e.view(shapes[name]) for name, e in state.errors.tensors.items()},
+            "errors": {s.name: state.errors.tensors[s.name].view(layout.error_shape(s))
+                       for s in layout.matrices if s.name in state.errors.tensors} if layout else {},
             "q": {} if state.q_flat is None else {s.name: q_block(state.q_flat, s).clone() for s in layout.matrices},
             "ledger": state.ledger.state_dict(),
         }

@@ -70,10 +70,11 @@ def _listed_entries(body: dict) -> dict:
     return {**folders, **files}
 
 
-def write_manifest(model_dir: Path, *, parameter_root: str, plan_sha256: str, ds_config_sha256: str,
-                   prepared_identity: str, weights: dict | None = None) -> dict:
+def write_manifest(model_dir: Path, *, parameter_root: str, plan_sha256: str | None, ds_config_sha256: str | None,
+                   prepared_identity: str | None, weights: dict | None = None, grown: dict | None = None) -> dict:
     """Seal an export directory before it is published: manifest.json over every entry, then readable modes.
-    A link or special file is refused: an export holds files and folders only."""
+    A link or special file is refused: an export holds files and folders only. A grown export (nshard/grow.py) was
+    not trained: its plan, ds_config and prepared identity are None and `grown` names its source and method."""
     model_dir = Path(model_dir)
     entries = entry_table(model_dir)
     odd = [f"{rel} ({e['kind']})" for rel, e in entries.items() if e["kind"] not in ("file", "dir")]
@@ -86,6 +87,8 @@ def write_manifest(model_dir: Path, *, parameter_root: str, plan_sha256: str, ds
             "prepared_identity": prepared_identity, "source": source_commit()}
     if weights is not None:  # what the weights are when they are not the replicas that parameter_root hashes
         body["weights"] = weights
+    if grown is not None:
+        body["grown"] = grown
     path = model_dir / MANIFEST
     path.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
     os.chmod(path, 0o644)

@@ -119,6 +119,9 @@ class Receipt:
     """Bytes DeepSpeed's own gradient collectives carried (its comms logger's count), whatever seam was installed."""
     update_delta_gap: list[float] = field(default_factory=list)
     """Delta parameter sync: the largest |master − replica| over all ranks after each update (empty otherwise)."""
+    update_experts: list[dict] = field(default_factory=list)
+    """A sparse model: each update's router load per layer and expert (all ranks), dead experts, dropped tokens and
+    the probe's routing digest, identical on every rank (nshard/run/experts.py); empty for a dense model."""
 
     def record_update(self, seconds: float, grad_bytes: int, other_bytes: int, compressed: bool,
                       gpu: dict | None = None, deepspeed_grad_bytes: int = 0) -> None:
@@ -172,6 +175,7 @@ class Receipt:
             "other_collective_bytes": self.other_collective_bytes,
             "update_parameter_bytes": self.update_parameter_bytes,
             "update_delta_gap": self.update_delta_gap,
+            "update_experts": self.update_experts,
             "by_phase": self.by_phase(),
             "state_s": self.state_s,
             "state_saves": self.state_saves,

@@ -41,7 +41,19 @@ def find_start(plan: Plan, world_size: int) -> StartPoint:
     """The accepted study's candidate, refused (CohortError) unless the study's results say its quality screen
     passed under its commitment, its export matches the record and its manifest, and (start = "state") its newest
     complete state verifies, holds the committed weights and was saved by `world_size` ranks."""
-    accepted = read_accepted(plan.cohort.from_study)
+    model_dir, provenance = accepted_export(plan.cohort.from_study)
+    state = (find_state(read_accepted(plan.cohort.from_study).run_dir, provenance["parameter_root"], world_size)
+             if plan.cohort.start == "state" else None)
+    return StartPoint(plan.cohort.start, model_dir, state, plan.cohort.dense_warmup,
+                      {**provenance, "state": state.name if state else None})
+
+
+def accepted_export(study_dir) -> tuple[Path, dict]:
+    """The accepted study's candidate export and its provenance (study, record, candidate, committed root and
+    files), refused (CohortError) unless the study judged it under its commitment, its quality screen passed and
+    the export is what the record committed and its manifest seals. A cohort and a growth (nshard/grow.py) start
+    from it alike."""
+    accepted = read_accepted(study_dir)
     study, name = accepted.study_dir, accepted.candidate
     try:
         record = load_commitment(study / "commitment.json")
@@ -62,14 +74,12 @@ def find_start(plan: Plan, world_size: int) -> StartPoint:
     if manifest["parameter_root"] != entry["parameter_root"]:
         raise CohortError(f"cohort.from: {accepted.model_dir}'s manifest has parameter root "
                           f"{manifest['parameter_root'][:16]}, the record commits {entry['parameter_root'][:16]}")
-    state = find_state(accepted.run_dir, entry["parameter_root"], world_size) if plan.cohort.start == "state" else None
     provenance = {"study": str(study), "commitment_sha256": record["record_sha256"],
                   "seed_files": record["seed"]["files"], "candidate": name,
                   "parameter_root": entry["parameter_root"], "model_files": entry["files"],
                   # Under delta parameter sync the export holds the masters, whose root the manifest gives apart.
-                  "export_root": manifest.get("weights", {}).get("masters_root", entry["parameter_root"]),
-                  "state": state.name if state else None}
-    return StartPoint(plan.cohort.start, accepted.model_dir, state, plan.cohort.dense_warmup, provenance)
+                  "export_root": manifest.get("weights", {}).get("masters_root", entry["parameter_root"])}
+    return accepted.model_dir, provenance
 
 
 def check_screen_passed(study: Path, record: dict) -> None:

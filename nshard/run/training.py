@@ -16,6 +16,7 @@ import torch.distributed as dist
 from nshard.run import chat as chat_mod
 from nshard import lock
 from nshard.run import data as data_mod
+from nshard.run import experts as experts_mod
 from nshard.run import device as device_mod
 from nshard.seam import engine as engine_mod
 from nshard.seam import patches
@@ -49,6 +50,8 @@ class Run:
     model.spec."""
     replay: bool = True
     """False (--no-replay): train without the plan's replay documents and without a first cohort's cases."""
+    experts: "experts_mod.ExpertTap | None" = None
+    """A sparse model's router hooks (nshard/run/experts.py), set once the engine is built; None for a dense one."""
 
     @property
     def is_main(self) -> bool:
@@ -142,11 +145,24 @@ def train_update(engine, seam, run: Run, prepared, batch: list[int], pad_id: int
         docs = [prepared[i] for i in (micro or share[0])]
         ids, mask, weights = pad_microbatch(docs, pad_id, zero_weight=not micro)
         device = engine.device
-        logits = seam.forward(engine, input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
-        nll = weighted_nll_sum(logits, ids.to(device), weights.to(device))
-        seam.backward_and_step(engine, nll * scale, last=step == len(share) - 1)
+        sparse = {"output_router_logits": True} if run.experts is not None else {}
+        if run.experts is not None:
+            run.experts.see(mask if micro else torch.zeros_like(mask))  # a zero-weight rerun is no load
+        out = seam.forward(engine, input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False, **sparse)
+        nll = weighted_nll_sum(out.logits, ids.to(device), weights.to(device))
+        loss = nll * scale + aux_loss(run, out, mask.to(device), [d.target_weight / global_weight if micro else 0.0
+                                                                 for d in docs])
+        seam.backward_and_step(engine, loss, last=step == len(share) - 1)
         local_nll += nll.item()
     return local_nll
+
+
+def aux_loss(run: Run, out, mask: torch.Tensor, shares: list[float]):
+    """A sparse model's declared load-balancing term (nshard/run/experts.py), on DeepSpeed's backward scale; 0 for a
+    dense model or a zero router_aux_loss_coef."""
+    if run.experts is None or not run.experts.coef:
+        return 0.0
+    return run.experts.aux_term(out.router_logits, mask, torch.tensor(shares)) * deepspeed_backward_scale(run.world)
 
 
 def global_loss(local_nll: float, batch: list[int], prepared, device) -> float:
@@ -186,13 +202,18 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
                               deepspeed_grad_bytes=counts["deepspeed_grad_bytes"])
         loss = global_loss(local_nll, batch, prepared, engine.device)
         gap = delta_gap(run, engine.device)
+        experts = run.experts.finish_update(update + 1, run.rank, engine.device) if run.experts else None
+        if experts is not None:
+            receipt.update_experts.append(experts)
         if gap is not None:
             receipt.update_delta_gap.append(gap)
         log.write({"update": update + 1, "loss": loss, "lr": lr, "update_s": seconds, "compressed": compressed,
                    "grad_bytes": grad_bytes, "deepspeed_grad_bytes": counts["deepspeed_grad_bytes"],
                    "reducer_bytes": reducer_bytes, "logged_reducer_bytes": counts["logged_reducer_bytes"],
                    "parameter_bytes": counts["other_bytes"], "microbatch_sums": seam.sums,
-                   **({"delta_gap_max": gap} if gap is not None else {})})
+                   **({"delta_gap_max": gap} if gap is not None else {}),
+                   **({"expert_load": experts["load"], "dead_experts": experts["dead"],
+                       "aux_loss": experts["aux_loss"]} if experts else {})})
         keeper.after_update(update + 1, receipt)
         counter.take()  # a replica check's or state save's collectives belong to no update
     ledger = seam.ledger  # None under DeepSpeed's own reduction
@@ -320,6 +341,7 @@ def train_owned(run: Run, overwrite: bool, resume_from: state_mod.ResumePoint | 
     torch.manual_seed(run.plan.train.seed)
     engine = engine_mod.build_engine(load_model(model_ref), run.ds_config)
     seam = engine_mod.install_reducer(engine, run.reducer)
+    run.experts = experts_mod.ExpertTap.find(engine.module, list(prepared[0].input_ids))
     keeper = state_mod.StateKeeper(run, engine, seam, identity)
     start, receipt = keeper.restore(resume_from) if resume_from else (0, None)
     started = start_cohort(run, engine, seam) if run.start and not resume_from else None
@@ -340,7 +362,8 @@ def train_owned(run: Run, overwrite: bool, resume_from: state_mod.ResumePoint | 
              **patches.optimizer_memory(engine), "device": str(engine.device),
              "optimizer": patches.optimizer_classes(engine), "determinism": determinism,
              "precision": ds_precision(json.loads(run.ds_config_path.read_text())),
-             "startup": startup(receipt.first_update_at)}
+             "startup": startup(receipt.first_update_at),
+             "experts": run.experts and {**run.experts.declared(), **experts_mod.summary(receipt.update_experts)}}
     body = receipt.finish(run.out / "receipts" / f"rank-{run.rank}.json", root, active_plus_checkpoint, extra)
     dist.barrier()
     if run.is_main:
