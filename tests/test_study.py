@@ -759,10 +759,12 @@ def test_scoring_an_uncommitted_model_is_refused_unless_exploratory(study, tmp_p
     assert all(r["exploratory"] for r in read_jsonl(tmp_path / "other" / "cases.jsonl"))
 
 
-def test_an_exploratory_study_says_so_in_every_output(study):
-    proc = run_study(study, study["out"], "--exploratory")
+def test_an_exploratory_study_says_so_in_every_output(study, tmp_path):
+    # On a copy: the shared study stays committed and judged for the tests after this one.
+    out = tmp_path / "out"
+    shutil.copytree(study["out"], out)
+    proc = run_study(study, out, "--exploratory")
     assert proc.returncode == 1
-    out = study["out"]
     assert json.loads((out / "results.json").read_text())["exploratory"] is True
     assert "EXPLORATORY" in (out / "report.md").read_text()
     for label in ("seed", "one-rank", "dense", "powersgd"):
