@@ -109,6 +109,17 @@ def arm_is_done(run_dir: Path, plan_sha: str, ds_sha: str, ranks: int, replay: b
             and (run_dir / "model" / "model.safetensors").is_file())
 
 
+def logged_launch(cmd: list[str], log: Path) -> tuple[int, float, float]:
+    """Run a launcher command with its output (after the command line) in `log`: exit status, seconds, and the
+    wall-clock time it started."""
+    t0, started_at = time.perf_counter(), time.time()
+    with log.open("w") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+    return rc, time.perf_counter() - t0, started_at
+
+
 def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: dict | None,
               hosts: dict | None = None) -> dict:
     """Train one arm unless it already finished with these inputs; a failure is recorded, never retried here."""
@@ -136,12 +147,7 @@ def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: di
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = launch_command(arm, plan, plan_path, ds_config, run_dir, free_port(), hosts)
     say(f"arm {arm.name}: training on {arm.ranks} rank(s) with {arm.ds_config} (log: {log})")
-    t0, started_at = time.perf_counter(), time.time()
-    with log.open("w") as f:
-        f.write("$ " + " ".join(cmd) + "\n")
-        f.flush()
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
-    wall = time.perf_counter() - t0
+    rc, wall, started_at = logged_launch(cmd, log)
     # Wall-clock ends of the launch (the receipts' process_start_at share the clock: emulated hosts share the
     # kernel), so the report can show the launch before the ranks' processes and the teardown after their receipts.
     attempts.append({"rc": rc, "log": str(log), "wall_s": wall, "started_at": started_at, "ended_at": time.time(),
@@ -178,12 +184,7 @@ def warm_up_hosts(plan: Plan, plan_path: Path, out: Path, hosts: dict) -> dict:
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = launch_command(arm, plan, warm_plan, resolve_ds_config(arm.ds_config, plan_path), run_dir, free_port(),
                          hosts)
-    t0 = time.perf_counter()
-    with log.open("w") as f:
-        f.write("$ " + " ".join(cmd) + "\n")
-        f.flush()
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
-    wall = time.perf_counter() - t0
+    rc, wall, _ = logged_launch(cmd, log)
     receipts = [json.loads(p.read_text()) for p in sorted((run_dir / "receipts").glob("rank-*.json"))]
     if rc != 0 or len(receipts) != arm.ranks:
         raise StudyError(f"the warm-up launch on the emulated hosts failed (exit {rc}); see {log}: the arms would "
