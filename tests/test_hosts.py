@@ -302,10 +302,11 @@ def bound_in_host(pid: int, source: Path, target: Path):
     """Bind-mount `source` over `target` inside one emulated host's mount namespace (its sshd's, which
     `ip netns exec` made as a slave of this one): what that host's sessions see changes, nothing else does."""
     assert os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt"), "sshd shares our mount namespace"
-    before = target.read_bytes()
+    before = os.stat(target)
     subprocess.run(["nsenter", "-t", str(pid), "-m", "mount", "--bind", str(source), str(target)], check=True)
     try:
-        assert target.read_bytes() == before, "the bind mount reached this namespace"
+        after = os.stat(target)
+        assert (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino), "the bind mount reached this namespace"
         yield
     finally:
         subprocess.run(["nsenter", "-t", str(pid), "-m", "umount", str(target)], check=True)
@@ -322,11 +323,16 @@ def test_the_preflight_passes_on_the_pair_and_names_the_host_whose_checkout_diff
     assert not list(out.glob(".nshard-preflight-*")), "the preflight left its files in --out"
 
     other = tmp_path / "other-checkout"
-    subprocess.run(["git", "clone", "-q", "--shared", str(REPO), str(other)], check=True)
+    # A clone of its own (no alternates that would point back at the .git it is mounted over).
+    subprocess.run(["git", "clone", "-q", "--no-local", str(REPO), str(other)], check=True)
     subprocess.run(["git", "-C", str(other), "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-q",
                     "--allow-empty", "-m", "another commit"], check=True)
-    gitfile = tmp_path / "gitfile"
-    gitfile.write_text(f"gitdir: {other / '.git'}\n")
+    # A clone keeps .git as a directory, a worktree as a file naming its gitdir: mount the same kind over it.
+    if (REPO / ".git").is_dir():
+        gitfile = other / ".git"
+    else:
+        gitfile = tmp_path / "gitfile"
+        gitfile.write_text(f"gitdir: {other / '.git'}\n")
     dsenv = tmp_path / "deepspeed_env"
     dsenv.write_text("GLOO_SOCKET_IFNAME=eth9\n")
     sshd = int((REPO / "runs" / "hosts" / "sshd-2.pid").read_text())
