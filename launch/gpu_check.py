@@ -74,7 +74,7 @@ def steps(out: Path, inputs: dict[str, Path]) -> list[Step]:
              90),
         train("train-powersgd", inputs["powersgd"]),
         train("train-fp32-deterministic", inputs["fp32"], inputs["deterministic"]),
-        Step("cuda-tests", [py, "-m", "pytest", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+        Step("cuda-tests", [py, "-m", "pytest", "-n", "0", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda.py"],
              300, env={"NSHARD_CUDA_TESTS": "1"}),
     ]
 
@@ -98,7 +98,7 @@ def check_inputs(inputs: dict[str, Path]) -> list[str]:
 
 def listed_cuda_tests() -> list[str]:
     """The CUDA test set's test ids, as pytest collects them here (where each is skipped with its reason)."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "--collect-only", "-q", "-m", "cuda", "-p", "no:cacheprovider",
                            "tests/test_cuda.py"], cwd=REPO, capture_output=True, text=True, timeout=120)
     return [line for line in proc.stdout.splitlines() if "::" in line]
 

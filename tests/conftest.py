@@ -13,24 +13,50 @@ else:  # before torch is imported: the CPU tests must not see a GPU, nor must th
 
 import pytest
 
+import runs
+
+
+HEAVY_FIRST = ["test_study", "test_reducer_engine", "test_hosts", "test_resume", "test_launch_scripts",
+               "test_delta_sync", "test_zero_table", "test_grow_train", "test_ownership", "test_red_team_resume",
+               "test_arms", "test_capacity", "test_chat_data", "test_models"]
+"""pytest-xdist (--dist loadfile --no-loadscope-reorder) hands out whole files in collection order: the longest
+first, so the two workers finish together. Every test that brings up launch/hosts.sh's pair (machine-wide
+namespace names, a core each) is in test_hosts.py, so they run one at a time."""
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: runs on a GPU, in the CUDA session only (NSHARD_CUDA_TESTS=1 pytest -m cuda)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the slow mark added here counts
 def pytest_collection_modifyitems(config, items):
     cuda_reason = cuda_skip_reason()
     cpu_reason = f"CPU test: the CUDA session ({CUDA_SESSION_VARIABLE}=1) runs only tests marked cuda"
     for item in items:
+        if "runs_root" in getattr(item, "fixturenames", ()):  # it reads launched runs: the slow tier
+            item.add_marker(pytest.mark.slow)
         reason = cuda_reason if "cuda" in item.keywords else cpu_reason if cuda_session() else None
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))
+    # Longest files first (HEAVY_FIRST); within a file the order stays as written.
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.path)).stem, len(rank)))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """The fast tier (pytest -m "not slow") launches nothing: runs.launch refuses outside a test marked slow."""
+    runs.LAUNCH_ALLOWED = item.get_closest_marker("slow") is not None or item.get_closest_marker("cuda") is not None
 
 
 @pytest.fixture(scope="session")
 def runs_root(tmp_path_factory):
-    """Shared by every test that launches real runs, so one configuration is launched once per session."""
-    return tmp_path_factory.mktemp("runs")
+    """Shared by every test that launches real runs, so one configuration is launched once per session: with
+    pytest-xdist, one folder for all the session's workers (runs.cached_run locks each run's name)."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "runs"
+    root.mkdir(exist_ok=True)
+    return root
 
 
 @pytest.fixture(scope="session")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +18,8 @@ from devices import pin_to_cpu
 from spawn import free_port
 
 REPO = Path(__file__).resolve().parent.parent
+LAUNCH_ALLOWED = True
+"""conftest sets it per test: False in a test not marked slow, so the fast tier cannot quietly launch runs."""
 DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
 
 
@@ -35,6 +40,8 @@ def launch(out: Path, ds_config, world: int = 2, plan: str | Path = REPO / "laun
     """deepspeed --hostfile ... nshard/train.py with a ds_config path or dict; world 1 uses --num_gpus 1;
     mpi=True goes through DeepSpeed's openmpi launcher (mpirun) instead of its local one; env adds variables;
     cuda=True leaves the GPUs visible (one rank per GPU: the CUDA tests launch world 1)."""
+    if not LAUNCH_ALLOWED:
+        raise AssertionError("a test outside the slow tier launched DeepSpeed: mark it @pytest.mark.slow")
     if isinstance(ds_config, dict):
         path = out.parent / f"{out.name}-ds_config.json"
         path.write_text(json.dumps(ds_config))
@@ -54,6 +61,26 @@ def launch(out: Path, ds_config, world: int = 2, plan: str | Path = REPO / "laun
     return proc
 
 
+def shm_workspaces() -> set[Path]:
+    return set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+
+
+def leftover_shm_workspaces(before: set[Path]) -> list[Path]:
+    """DeepSpeed CPU shm workspaces made since `before` that no live process maps: left behind, not in use by a
+    run of another test (pytest-xdist runs two at a time)."""
+    new = shm_workspaces() - before
+    if not new:
+        return []
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.split(maxsplit=5)[-1].strip() for line in maps.read_text().splitlines()
+                          if "deepspeed_allreduce_buffer_" in line)
+        except OSError:  # the process ended while we looked
+            pass
+    return sorted(p for p in new if str(p) not in mapped and p.exists())
+
+
 def ds_config(name: str = "dense", **overrides) -> dict:
     config = json.loads((REPO / "ds_configs" / f"{name}.json").read_text())
     config.update(overrides)
@@ -68,19 +95,30 @@ def final_params(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "model" / "model.safetensors"))
 
 
-_RUNS: dict[str, tuple[str, Path]] = {}
+@contextlib.contextmanager
+def _locked(path: Path):
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def cached_run(tmp_root: Path, name: str, config: dict, world: int = 2, mpi: bool = False,
                plan: Path = REPO / "launch/plans/tiny.toml") -> Path:
-    """Launch once per test session per name; later tests reuse the run directory (same config and plan text only)."""
+    """Launch once per test session per name; later tests (in any pytest-xdist worker: tmp_root is shared and each
+    name locked) reuse the run directory, for the same config and plan text only."""
     key = json.dumps([config, world, mpi, Path(plan).read_text()], sort_keys=True)
-    if name not in _RUNS:
-        out = tmp_root / name
-        launch(out, config, world=world, mpi=mpi, plan=plan)
-        _RUNS[name] = (key, out)
-    assert _RUNS[name][0] == key, f"run {name!r} was launched before with another configuration"
-    return _RUNS[name][1]
+    out = tmp_root / name
+    with _locked(tmp_root / f".{name}.test-launch"):  # not .NAME.lock: that is the trainer's own (nshard/lock.py)
+        done = tmp_root / f".{name}.key"
+        if not done.is_file():
+            shutil.rmtree(out, ignore_errors=True)  # a launch that failed earlier in the session
+            launch(out, config, world=world, mpi=mpi, plan=plan)
+            done.write_text(key)
+        assert done.read_text() == key, f"run {name!r} was launched before with another configuration"
+    return out
 
 
 def tiny_config(base: str = "dense", lr: float = 2e-3, stage: int | None = None, nshard: dict | None = None,

@@ -12,6 +12,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from nshard.analysis.memory_model import Config, compression, phases, predict, smollm2_1_7b  # noqa: E402
+from runs import leftover_shm_workspaces, shm_workspaces  # noqa: E402
 
 
 def test_compression_matches_the_reducers_layout():
@@ -52,7 +53,7 @@ def test_capped_run_completes_or_is_reported_out_of_memory(tmp_path):
     from launch.memcap import leftover_groups
 
     prefix = f"nshard-cap-{os.getpid()}-"
-    shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+    shm_before = shm_workspaces()
     fits = attempt("s2-powersgd", "tiny", "tiny", 2 * 2**30, tmp_path, timeout_s=400, rank=2)
     assert fits["outcome"] == "complete", fits
     assert all(b > 0 for b in fits["peak_rss_bytes"]) and fits["bytes_per_compressed_update"] > 0
@@ -62,4 +63,4 @@ def test_capped_run_completes_or_is_reported_out_of_memory(tmp_path):
     assert sum(starved["oom_kills"]) >= 1 and starved["exit_code"] not in (0, 124)
     assert leftover_groups(prefix) == []
     # The starved rank dies before DeepSpeed's shm workspace name is unlinked; the harness removes it.
-    assert set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) <= shm_before
+    assert leftover_shm_workspaces(shm_before) == []

@@ -9,7 +9,7 @@ import torch
 from nshard.run.data import batch_schedule
 from nshard.run.hostfile import parse_hostfile
 from nshard.run.receipts import parameter_root
-from runs import REPO, launch, tiny_config
+from runs import REPO, launch, leftover_shm_workspaces, shm_workspaces, tiny_config
 from test_inputs import TINY, train_cli
 
 
@@ -89,7 +89,7 @@ def test_hostfile_takes_trailing_comments_and_names_bad_lines(tmp_path):
 @pytest.mark.slow
 def test_runs_leave_no_shared_memory_behind(tmp_path):
     """DeepSpeed's CPU shm all-reduce workspace (66 MB a rank) used to stay in /dev/shm after every run."""
-    before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+    before = shm_workspaces()
     proc, out = launch_plan(tmp_path, TINY.replace("updates = 3", "updates = 1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) <= before
+    assert leftover_shm_workspaces(before) == []

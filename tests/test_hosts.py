@@ -1,5 +1,7 @@
 """Two emulated hosts (launch/hosts.sh): DeepSpeed's plain multi-node command over ssh, one rank per
-network namespace, the kernel's byte counters against the reducer's ledger, and nothing left behind."""
+network namespace, the kernel's byte counters against the reducer's ledger, and nothing left behind. Every test
+that brings the pair up is here (its namespace names are machine-wide, so these tests take turns: pytest-xdist
+keeps a file on one worker), the launch/ benchmarks over a shaped link included."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -345,3 +348,49 @@ def test_the_preflight_passes_on_the_pair_and_names_the_host_whose_checkout_diff
     assert "the launching machine's at" in lines[-2] or "the launching machine's at" in lines[-1]
     assert sum("GLOO_SOCKET_IFNAME=eth9 names no interface there (it has eth0, lo)" in l for l in lines) == 2
     assert not list(out.glob(".nshard-preflight-*"))
+
+
+def script(*args, timeout=900) -> subprocess.CompletedProcess:
+    """A launch/ script run from the checkout as python -m launch.NAME; it must succeed."""
+    proc = subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=run_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_bench_link_runs_one_round_on_the_tiny_model(tmp_path):
+    out = tmp_path / "bench_link"
+    proc = script("launch.bench_link", "--rates", "1gbit", "--models", "tiny", "--updates", "1", "--rank", "4",
+                  "--out", str(out))
+    report = json.loads((out / "bench_link.json").read_text())
+    arms = report["models"]["tiny"]["rates"]["1gbit"]["arms"]
+    assert {"dense", "nshard", "hook"} <= set(arms) and (out / "bench_link.png").stat().st_size > 1000
+    assert "wrote" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_pooled_runs_two_arms_of_the_tiny_plan_over_a_shaped_link(tmp_path):
+    out = tmp_path / "bench_pooled"
+    proc = script("launch.bench_pooled", "--plan", "launch/plans/tiny.toml", "--updates", "2", "--rank", "4",
+                  "--link", "100mbit", "--arms", "s2-powersgd@one,s2-powersgd-delta4", "--out", str(out))
+    rows = {r["arm"]: r for r in json.loads((out / "bench_pooled.json").read_text())["arms"]}
+    assert all(r["ranks_agree"] for r in rows.values())
+    dense, delta = rows["s2-powersgd@one"], rows["s2-powersgd-delta4"]
+    # "@one" reached both remote ranks through the launcher: their rings shared one connection per pair.
+    assert dense["ring_connections"] == ["one per pair of ranks"] and delta["ring_connections"] == ["one per direction"]
+    assert delta["grad_bytes_per_update"] == dense["grad_bytes_per_update"]
+    assert 0 < delta["parameter_bytes_per_update"] < dense["parameter_bytes_per_update"] / 6  # fp32 vs 4 bits + scales
+    assert delta["delta_gap_max"] > 0 and dense["delta_gap_max"] is None
+    assert "| s2-powersgd-delta4 |" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_duplex_times_each_way_of_a_ring_step_over_a_shaped_link(tmp_path):
+    out = tmp_path / "bench_duplex"
+    proc = script("launch.bench_duplex", "--link", "1gbit", "--mib", "1", "--repeats", "2", "--idle_s", "0",
+                  "--out", str(out))
+    body = json.loads((out / "bench_duplex.json").read_text())
+    assert set(body["seconds"]) == {"one", "two", "all_reduce"}
+    assert all(len(t) == 2 and all(s > 0 for s in t) for t in body["seconds"].values())
+    assert "| two |" in proc.stdout and "mean vs two" in proc.stdout

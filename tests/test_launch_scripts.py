@@ -1,6 +1,8 @@
 """Every figure-producing script under launch/ runs end to end on the tiny model, one round: seconds to a couple
 of minutes each, so that a script whose figures the docs quote cannot rot unseen. launch/zero_stages.py's run is
-in tests/test_zero_table.py; launch/gpu_check.py needs a GPU, and its dry run is in tests/test_gpu.py."""
+in tests/test_zero_table.py; launch/gpu_check.py needs a GPU, and its dry run is in tests/test_gpu.py; the scripts that
+bring up the emulated hosts (bench_link, bench_pooled, bench_duplex) are in tests/test_hosts.py, where those tests
+take turns."""
 
 from __future__ import annotations
 
@@ -25,17 +27,6 @@ def script(*args, timeout=900) -> subprocess.CompletedProcess:
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
-
-
-@root_only
-def test_bench_link_runs_one_round_on_the_tiny_model(tmp_path):
-    out = tmp_path / "bench_link"
-    proc = script("launch.bench_link", "--rates", "1gbit", "--models", "tiny", "--updates", "1", "--rank", "4",
-                  "--out", str(out))
-    report = json.loads((out / "bench_link.json").read_text())
-    arms = report["models"]["tiny"]["rates"]["1gbit"]["arms"]
-    assert {"dense", "nshard", "hook"} <= set(arms) and (out / "bench_link.png").stat().st_size > 1000
-    assert "wrote" in proc.stdout
 
 
 def test_bench_powersgd_runs_one_update_per_arm():
@@ -107,33 +98,6 @@ def test_recipe_sweep_runs_two_points_on_the_tiny_plan_and_keeps_every_attempt(t
     md = record.with_suffix(".md").read_text()
     assert "| lr0.003-u2-c3 | complete |" in md and "Second development seed (+201)" in md
     assert json.loads(proc.stdout.strip().splitlines()[-1])["record"] == str(record)
-
-
-@root_only
-def test_bench_pooled_runs_two_arms_of_the_tiny_plan_over_a_shaped_link(tmp_path):
-    out = tmp_path / "bench_pooled"
-    proc = script("launch.bench_pooled", "--plan", "launch/plans/tiny.toml", "--updates", "2", "--rank", "4",
-                  "--link", "100mbit", "--arms", "s2-powersgd@one,s2-powersgd-delta4", "--out", str(out))
-    rows = {r["arm"]: r for r in json.loads((out / "bench_pooled.json").read_text())["arms"]}
-    assert all(r["ranks_agree"] for r in rows.values())
-    dense, delta = rows["s2-powersgd@one"], rows["s2-powersgd-delta4"]
-    # "@one" reached both remote ranks through the launcher: their rings shared one connection per pair.
-    assert dense["ring_connections"] == ["one per pair of ranks"] and delta["ring_connections"] == ["one per direction"]
-    assert delta["grad_bytes_per_update"] == dense["grad_bytes_per_update"]
-    assert 0 < delta["parameter_bytes_per_update"] < dense["parameter_bytes_per_update"] / 6  # fp32 vs 4 bits + scales
-    assert delta["delta_gap_max"] > 0 and dense["delta_gap_max"] is None
-    assert "| s2-powersgd-delta4 |" in proc.stdout
-
-
-@root_only
-def test_bench_duplex_times_each_way_of_a_ring_step_over_a_shaped_link(tmp_path):
-    out = tmp_path / "bench_duplex"
-    proc = script("launch.bench_duplex", "--link", "1gbit", "--mib", "1", "--repeats", "2", "--idle_s", "0",
-                  "--out", str(out))
-    body = json.loads((out / "bench_duplex.json").read_text())
-    assert set(body["seconds"]) == {"one", "two", "all_reduce"}
-    assert all(len(t) == 2 and all(s > 0 for s in t) for t in body["seconds"].values())
-    assert "| two |" in proc.stdout and "mean vs two" in proc.stdout
 
 
 def test_bench_precision_times_fp32_bf16_and_autocast_in_one_run(tmp_path):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from nshard.run.data import Prepared, deal
-from nshard.run.loss import deepspeed_backward_scale, pad_microbatch, weighted_nll_sum
+from nshard.run.loss import pad_microbatch, rank_microbatches, weighted_nll_sum
 
 PAD = 0
 
@@ -53,18 +53,21 @@ def reference_grads(model, docs):
 
 
 def batched_grads(model, docs, world, microbatch, reverse):
+    """Each rank's microbatches and loss scale exactly as the trainer takes them (rank_microbatches), its gradients
+    accumulated on a replica, then the rank average DeepSpeed and the nshard reducers take (sum / world)."""
     batch = list(range(len(docs)))
-    global_weight = math.fsum(d.target_weight for d in docs)
     shares = deal(batch, [len(d.input_ids) for d in docs], world, microbatch, reverse)
     summed = None
-    for share in shares:
+    for rank in range(world):
         replica = copy.deepcopy(model)
         replica.zero_grad()
-        for micro in share:
-            chosen = [docs[i] for i in (micro or share[0])]
-            ids, mask, weights = pad_microbatch(chosen, PAD, zero_weight=not micro)
-            nll = weighted_nll_sum(replica(input_ids=ids, attention_mask=mask).logits, ids, weights)
-            (nll * deepspeed_backward_scale(world) / global_weight).backward()
+        micros = rank_microbatches(docs, batch, world, rank, microbatch, PAD, reverse_ranks=reverse)
+        assert [[d.doc_id for d in mb.docs] for mb in micros if not mb.filler] == [
+            [docs[i].doc_id for i in micro] for micro in shares[rank] if micro]
+        for mb in micros:
+            nll = weighted_nll_sum(replica(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits,
+                                   mb.input_ids, mb.weights)
+            (nll * mb.loss_scale).backward()
         grads = {n: p.grad.clone() for n, p in replica.named_parameters()}
         summed = grads if summed is None else {n: summed[n] + grads[n] for n in grads}
     return {n: g / world for n, g in summed.items()}, shares

@@ -7,8 +7,13 @@ does not depend on how documents are split into microbatches or ranks.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+from nshard.run.data import deal
 
 
 def weighted_nll_sum(logits: torch.Tensor, input_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -48,3 +53,32 @@ def pad_microbatch(prepared: list, pad_id: int, zero_weight: bool = False):
         if not zero_weight:
             weights[row, :n] = torch.tensor(p.weights, dtype=torch.float32)
     return ids, mask, weights
+
+
+@dataclass(frozen=True)
+class Microbatch:
+    """One of a rank's microbatches in one update, ready for forward/backward."""
+    docs: list                    # the documents it runs (a filler reruns the rank's first microbatch)
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    weights: torch.Tensor         # response-token weights; all zero in a filler
+    filler: bool
+    loss_scale: float             # weighted NLL sum x loss_scale is what engine.backward receives
+    doc_shares: list[float]       # each document's weight / the global batch's weight (0 in a filler)
+
+
+def rank_microbatches(prepared: list, batch: list[int], world: int, rank: int, microbatch_docs: int, pad_id: int,
+                      reverse_ranks: bool = False) -> list[Microbatch]:
+    """This rank's microbatches of one global batch (deal), each scaled by the response weight of the *whole*
+    global batch: the contract that makes the gradient independent of the split into ranks and microbatches."""
+    global_weight = math.fsum(prepared[i].target_weight for i in batch)
+    share = deal(batch, [len(p.input_ids) for p in prepared], world, microbatch_docs, reverse_ranks)[rank]
+    scale = deepspeed_backward_scale(world) / global_weight
+    out = []
+    for micro in share:
+        # An empty microbatch (this rank has run out of documents) reruns its first one at zero weight.
+        docs = [prepared[i] for i in (micro or share[0])]
+        ids, mask, weights = pad_microbatch(docs, pad_id, zero_weight=not micro)
+        out.append(Microbatch(docs, ids, mask, weights, not micro, scale,
+                              [d.target_weight / global_weight if micro else 0.0 for d in docs]))
+    return out

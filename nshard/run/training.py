@@ -25,7 +25,7 @@ from nshard.run import state as state_mod
 from nshard.comm.config import ReducerConfig
 from nshard.evidence.export import write_manifest
 from nshard.seam.ds_config import precision as ds_precision
-from nshard.run.loss import deepspeed_backward_scale, pad_microbatch, weighted_nll_sum
+from nshard.run.loss import deepspeed_backward_scale, rank_microbatches, weighted_nll_sum
 from nshard.files import file_sha256, write_json_atomic
 from nshard.run.plan import Plan
 from nshard.run.ranks import RunError, all_ranks, on_main_rank, on_main_rank_long
@@ -134,25 +134,18 @@ def warm_chat(plan: Plan, tokenizer) -> None:
 
 def train_update(engine, seam, run: Run, prepared, batch: list[int], pad_id: int) -> float:
     """One optimizer update over a global batch; returns this rank's weighted NLL sum."""
-    t = run.plan.train
-    lengths = [len(p.input_ids) for p in prepared]
-    global_weight = math.fsum(prepared[i].target_weight for i in batch)
-    share = data_mod.deal(batch, lengths, run.world, t.microbatch_docs)[run.rank]
-    scale = deepspeed_backward_scale(run.world) / global_weight
+    micros = rank_microbatches(prepared, batch, run.world, run.rank, run.plan.train.microbatch_docs, pad_id)
+    device = engine.device
+    sparse = {"output_router_logits": True} if run.experts is not None else {}
     local_nll = 0.0
-    for step, micro in enumerate(share):
-        # An empty microbatch (this rank has run out of documents) reruns its first one at zero weight.
-        docs = [prepared[i] for i in (micro or share[0])]
-        ids, mask, weights = pad_microbatch(docs, pad_id, zero_weight=not micro)
-        device = engine.device
-        sparse = {"output_router_logits": True} if run.experts is not None else {}
+    for step, mb in enumerate(micros):
+        ids, mask = mb.input_ids.to(device), mb.attention_mask.to(device)
         if run.experts is not None:
-            run.experts.see(mask if micro else torch.zeros_like(mask))  # a zero-weight rerun is no load
-        out = seam.forward(engine, input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False, **sparse)
-        nll = weighted_nll_sum(out.logits, ids.to(device), weights.to(device))
-        loss = nll * scale + aux_loss(run, out, mask.to(device), [d.target_weight / global_weight if micro else 0.0
-                                                                 for d in docs])
-        seam.backward_and_step(engine, loss, last=step == len(share) - 1)
+            run.experts.see(torch.zeros_like(mb.attention_mask) if mb.filler else mb.attention_mask)  # a filler is no load
+        out = seam.forward(engine, input_ids=ids, attention_mask=mask, use_cache=False, **sparse)
+        nll = weighted_nll_sum(out.logits, ids, mb.weights.to(device))
+        loss = nll * mb.loss_scale + aux_loss(run, out, mask, mb.doc_shares)
+        seam.backward_and_step(engine, loss, last=step == len(micros) - 1)
         local_nll += nll.item()
     return local_nll
 
