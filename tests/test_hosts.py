@@ -19,6 +19,7 @@ import pytest
 
 from runs import DEEPSPEED, REPO, receipts, run_env, tiny_config
 from spawn import free_port, require
+from test_launch_scripts import script
 
 HOSTS_SH = REPO / "launch" / "hosts.sh"
 NAMESPACES = {"198.51.100.1": "nshard-h1", "198.51.100.2": "nshard-h2"}
@@ -348,14 +349,6 @@ def test_the_preflight_passes_on_the_pair_and_names_the_host_whose_checkout_diff
     assert "the launching machine's at" in lines[-2] or "the launching machine's at" in lines[-1]
     assert sum("GLOO_SOCKET_IFNAME=eth9 names no interface there (it has eth0, lo)" in l for l in lines) == 2
     assert not list(out.glob(".nshard-preflight-*"))
-
-
-def script(*args, timeout=900) -> subprocess.CompletedProcess:
-    """A launch/ script run from the checkout as python -m launch.NAME; it must succeed."""
-    proc = subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=run_env(), capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
 
 
 @pytest.mark.slow
