@@ -15,7 +15,7 @@ Per mutant:
 
 Before any mutant, the same commands run on the unmutated copy and must pass, so a failure is the mutant's.
 tests/test_mutants.py is left out of these runs (it fails on any planted mutant by design). A
-mutant is "caught" only by failing tests (pytest exit 1); any other exit (collection error, interruption) stops the
+mutant is "caught" only by failing tests (pytest exit 1, or pytest-xdist's exit 2 after -x stopped it on a failure); any other exit (collection error, interruption) stops the
 script with exit 2. Exit 0: every mutant caught in every tier asked for; 1: some mutant survived.
 """
 
@@ -162,7 +162,10 @@ def pytest(scratch: Path, args: list[str], log: Path) -> Outcome:
                                *SELF_CHECK, *args], cwd=scratch, env=env, stdout=f, stderr=subprocess.STDOUT)
     text = log.read_text()
     failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", text, re.M)))
-    return Outcome(proc.returncode, time.monotonic() - t0, failed)
+    rc = proc.returncode
+    if rc == 2 and failed and re.search(r"^!+ xdist\.dsession\.Interrupted: stopping after \d+ failures", text, re.M):
+        rc = 1  # pytest-xdist ends an -x run that failed with exit 2 ("Interrupted"): tests failed
+    return Outcome(rc, time.monotonic() - t0, failed)
 
 
 def check_baseline(what: str, outcome: Outcome, log: Path) -> None:
