@@ -130,18 +130,15 @@ def stale(root: Path, mutant: Mutant) -> list[str]:
 
 
 def apply(scratch: Path, mutant: Mutant) -> dict[Path, str]:
-    """Plant the mutant; returns the original texts to put back."""
+    """Plant the mutant (after checking every edit's text is there once: stale()); returns the original texts."""
+    problems = stale(scratch, mutant)
+    if problems:
+        raise Stale(f"mutant {mutant.name}: {problems[0]}: the code moved; update the mutant in launch/mutants.py")
     originals: dict[Path, str] = {}
     for rel, old, new in mutant.edits:
         path = scratch / rel
-        text = originals.get(path, path.read_text())
-        originals.setdefault(path, text)
         current = path.read_text()
-        if current.count(old) != 1:
-            for p, t in originals.items():
-                p.write_text(t)
-            raise Stale(f"mutant {mutant.name}: {rel} holds its text {current.count(old)} times, not once: the code "
-                        "moved; update the mutant in launch/mutants.py")
+        originals.setdefault(path, current)
         path.write_text(current.replace(old, new))
     return originals
 
