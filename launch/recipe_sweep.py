@@ -21,6 +21,18 @@ each; --global_batch_docs; --updates), and each records its sequence budget: the
 many distinct documents they came from. Every attempt,
 failed ones included, goes into RECORD.json and RECORD.md (kept in the repository as evidence), with the
 command, exit status and each point's figures.
+
+--candidate_ds_config sweeps the candidate at one frozen recipe instead: each point trains the plan's candidate
+arm (two ranks of PowerSGD, on this machine) with that ds_config, one --dense_warmups and one --powersgd_ranks
+value, on the development seed of --control (the recipe's one-rank point there, whose seed scores it reuses), and
+pairs its answers with the control's as the study pairs its arms. The rule, fixed before the first point: among
+the points whose retention bound passes and whose paired lower bound against the control clears the plan's
+margin, the least traffic (the fewest dense warm-up updates, then the lowest rank). --confirm_offset with
+--confirm_control trains the chosen point on a second development seed and pairs it with that seed's control.
+
+    .venv/bin/python -m launch.recipe_sweep --lrs 2e-4 --updates 24 --global_batch_docs 16 --cases_per_family 48 \
+        --dev_seed_offset 400 --candidate_ds_config ds_configs/cpu-powersgd.json --dense_warmups 1 3 5 \
+        --control DEV400_POINT/study --confirm_offset 500 --confirm_control DEV500_POINT/study
 """
 
 from __future__ import annotations
@@ -55,9 +67,11 @@ def _set_key(text: str, key: str, value: int, flag: str) -> str:
 
 
 def point_plan(base_text: str, study, lr: float, updates: int, offset: int, ds_config: Path,
-               schedule: str = "decay", global_batch: int | None = None, cases: int | None = None) -> str:
-    """The plan text of one point: development seeds, the update count, and a [study] of one arm (one rank,
-    dense, this lr) scored as the plan scores. The plan's own [study] (which must come last) is replaced."""
+               schedule: str = "decay", global_batch: int | None = None, cases: int | None = None,
+               arm: tuple[str, int] = ("one-rank", 1), suffix: str = "") -> str:
+    """The plan text of one point: development seeds, the update count, and a [study] of one arm (by default one
+    rank, dense, this lr; `arm` names another and its rank count) scored as the plan scores, on this machine.
+    The plan's own [study] (which must come last) is replaced."""
     text = base_text.split("\n[study]", 1)[0]
     if "[study" in text:
         raise SystemExit("recipe_sweep: the plan's [study] section must come after the others")
@@ -71,11 +85,11 @@ def point_plan(base_text: str, study, lr: float, updates: int, offset: int, ds_c
         text = _set_key(text, "global_batch_docs", global_batch, "--global_batch_docs")
     if cases is not None:
         text = _set_key(text, "train_cases_per_family", cases, "--cases_per_family")
-    name = point_name(lr, updates, schedule, global_batch, cases)
+    name = point_name(lr, updates, schedule, global_batch, cases) + suffix
     text = re.sub(r'(?m)^name = "(.*)"', lambda m: f'name = "{m[1]}-dev-{name}"', text, count=1)
-    return (text.rstrip() + f'\n\n[study]\ncandidate = "one-rank"\nspeed_baseline = "one-rank"\n'
+    return (text.rstrip() + f'\n\n[study]\ncandidate = "{arm[0]}"\nspeed_baseline = "{arm[0]}"\n'
             f"eval_max_new_tokens = {study.eval_max_new_tokens}\neval_batch_size = {study.eval_batch_size}\n"
-            f'\n[[study.arms]]\nname = "one-rank"\nranks = 1\nds_config = "{ds_config}"\n')
+            f'\n[[study.arms]]\nname = "{arm[0]}"\nranks = {arm[1]}\nds_config = "{ds_config}"\n')
 
 
 def point_ds_config(base: dict, lr: float, schedule: str = "decay") -> dict:
@@ -93,18 +107,40 @@ def point_ds_config(base: dict, lr: float, schedule: str = "decay") -> dict:
     return config
 
 
+def candidate_ds_config(base: dict, lr: float, schedule: str, warmups: int, rank: int) -> dict:
+    """The candidate's ds_config at the frozen recipe's rate, with this many dense warm-up updates and this rank."""
+    config = point_ds_config(base, lr, schedule)
+    nshard = config.get("nshard") or {}
+    if nshard.get("reducer") != "powersgd":
+        raise SystemExit("recipe_sweep: error: --candidate_ds_config needs a ds_config whose nshard.reducer is powersgd")
+    nshard["dense_warmup_updates"], nshard["rank"] = warmups, rank
+    return config
+
+
 def run_point(lr: float, updates: int, args, plan, base_text: str, seed_eval: Path | None,
-              schedule: str = "decay", cases: int | None = None, offset: int | None = None) -> dict:
+              schedule: str = "decay", cases: int | None = None, offset: int | None = None,
+              candidate: tuple[int, int] | None = None, control: Path | None = None) -> dict:
+    """Train and score one point. With `candidate` (dense warm-up updates, rank) the point trains the plan's
+    candidate arm (its rank count, on this machine) with --candidate_ds_config, and pairs its answers with
+    `control`'s: a study folder of the recipe's one-rank arm on the same development seed."""
     offset = args.dev_seed_offset if offset is None else offset
-    name = point_name(lr, updates, schedule, args.global_batch_docs, cases)
+    suffix = "" if candidate is None else f"-w{candidate[0]}-r{candidate[1]}"
+    name = point_name(lr, updates, schedule, args.global_batch_docs, cases) + suffix
     folder = Path(args.out) / f"dev{offset}" / name
     folder.mkdir(parents=True, exist_ok=True)
     ds_config = folder / "ds_config.json"
-    ds_config.write_text(json.dumps(point_ds_config(json.loads((REPO / args.ds_config).read_text()), lr, schedule),
-                                    indent=1))
+    if candidate is None:
+        arm = ("one-rank", 1)
+        config = point_ds_config(json.loads((REPO / args.ds_config).read_text()), lr, schedule)
+    else:
+        spec = next(a for a in plan.study.arms if a.name == plan.study.candidate)
+        arm = (spec.name, spec.ranks)
+        config = candidate_ds_config(json.loads((REPO / args.candidate_ds_config).read_text()), lr, schedule,
+                                     *candidate)
+    ds_config.write_text(json.dumps(config, indent=1))
     plan_path = folder / "plan.toml"
     plan_path.write_text(point_plan(base_text, plan.study, lr, updates, offset, ds_config.resolve(),
-                                    schedule, args.global_batch_docs, cases))
+                                    schedule, args.global_batch_docs, cases, arm, suffix))
     study = folder / "study"
     if seed_eval is not None and not (study / "eval" / "seed").exists():  # the seed scored once, on the same cases
         shutil.copytree(seed_eval, study / "eval" / "seed")
@@ -116,21 +152,57 @@ def run_point(lr: float, updates: int, args, plan, base_text: str, seed_eval: Pa
     point = {"point": name, "lr": lr, "updates": updates, "schedule": schedule, "dev_seed_offset": offset,
              "global_batch_docs": args.global_batch_docs, "train_cases_per_family": cases, "command": " ".join(cmd), "rc": rc,
              "wall_s": round(time.perf_counter() - t0, 1), "log": str(folder / "log.txt")}
+    if candidate is not None:
+        point.update({"arm": arm[0], "ranks": arm[1], "dense_warmup_updates": candidate[0],
+                      "powersgd_rank": candidate[1], "control": str(control)})
     results = study / "results.json"
     if not results.is_file():
         return {**point, "status": "failed", "tail": (folder / "log.txt").read_text(errors="replace").splitlines()[-8:]}
     r = json.loads(results.read_text())
-    arm = next(a for a in r["arms"] if a["name"] == "one-rank")
-    if arm["status"] != "complete":
+    result = next(a for a in r["arms"] if a["name"] == arm[0])
+    if result["status"] != "complete":
         return {**point, "status": "failed", "tail": (folder / "log.txt").read_text(errors="replace").splitlines()[-8:]}
     gain = next(c for c in r["screens"]["quality"]["conditions"] if c["name"].startswith("accuracy gain"))
-    retention = arm["retention"] or {}
-    return {**point, "status": "complete", "seed_correct": r["seed"]["correct"], "correct": arm["correct"],
-            "cases": arm["cases"], "gain_points": gain["value"], "retention_upper_nats": retention.get("upper_nats"),
-            "retention_mean_nats": retention.get("mean_change_nats"),
-            "per_family": {f: b["correct"] for f, b in arm["per_family"].items()},
-            "active_s": arm["execution"]["max_active_s"], "train_tokens": train_tokens(study / "arms" / "one-rank"),
-            "precision": _precision(study / "arms" / "one-rank"), "results_sha256": _sha256(results)}
+    retention = result["retention"] or {}
+    point = {**point, "status": "complete", "seed_correct": r["seed"]["correct"], "correct": result["correct"],
+             "cases": result["cases"], "gain_points": gain["value"], "retention_upper_nats": retention.get("upper_nats"),
+             "retention_mean_nats": retention.get("mean_change_nats"),
+             "per_family": {f: b["correct"] for f, b in result["per_family"].items()},
+             "active_s": result["execution"]["max_active_s"], "train_tokens": train_tokens(study / "arms" / arm[0]),
+             "precision": _precision(study / "arms" / arm[0]), "results_sha256": _sha256(results)}
+    if candidate is not None:
+        point["paired"] = paired_with_control(study / "eval" / arm[0] / "cases.jsonl", control,
+                                              plan.screens.confidence)
+    return point
+
+
+def stale_scores(control: Path) -> str | None:
+    """Why the control's scores can't be paired with a point scored here, or None: the seed and the control's arm
+    must have been scored where and as its arm is scored now (bf16 on a CPU with bf16 units, else fp32), or the
+    study's validation refuses the copied seed scores after the point has trained."""
+    from nshard.study.evaluate import run_placement
+
+    arm = json.loads((control / "results.json").read_text())["candidate"]
+    placement = run_placement(control / "arms" / arm)
+    for label in ("seed", arm):
+        summary = control / "eval" / label / "summary.json"
+        if not summary.is_file():
+            return f"{summary} is missing: run the control's study again"
+        scored = json.loads(summary.read_text())
+        if (scored.get("device"), scored.get("dtype")) != (placement.device, placement.dtype):
+            return (f"{label} was scored on {scored.get('device')} in {scored.get('dtype')}, but its arm is scored on "
+                    f"{placement.device} in {placement.dtype} here: move {control / 'eval'} aside and run the "
+                    "control's study again (its trained arm is reused)")
+    return None
+
+
+def paired_with_control(cases: Path, control: Path, confidence: float) -> dict:
+    """The candidate's paired bound against the control study's arm (its candidate) on the same cases."""
+    from nshard.analysis.paired import paired_bounds, read_correct
+
+    name = json.loads((control / "results.json").read_text())["candidate"]
+    return {"control_arm": name, **paired_bounds(read_correct(cases), read_correct(control / "eval" / name / "cases.jsonl"),
+                                                 confidence)}
 
 
 def train_tokens(run_dir: Path) -> dict:
@@ -165,6 +237,15 @@ def choose(points: list[dict], max_retention: float, schedules=SCHEDULES) -> dic
                                   -order.index(p.get("schedule", "decay"))), default=None)
 
 
+def choose_candidate(points: list[dict], max_retention: float, min_paired: float) -> dict | None:
+    """The candidate sweep's rule: among the points whose retention upper bound is below the screen and whose
+    paired lower bound against the control is above the screen's margin, the least traffic: the fewest dense
+    warm-up updates, then the lowest rank."""
+    ok = [p for p in points if p["status"] == "complete" and p["retention_upper_nats"] is not None
+          and p["retention_upper_nats"] < max_retention and p["paired"]["lower_points"] > min_paired]
+    return min(ok, key=lambda p: (p["dense_warmup_updates"], p["powersgd_rank"]), default=None)
+
+
 def write_record(record: Path, body: dict) -> None:
     record.parent.mkdir(parents=True, exist_ok=True)
     tmp = record.with_suffix(".json.tmp")
@@ -173,25 +254,34 @@ def write_record(record: Path, body: dict) -> None:
     lines = [f"# CPU recipe sweep ({body['at']})", "", f"Base plan `{body['plan']}`, development seeds +"
              f"{body['dev_seed_offset']}, rule: {body['rule']}", "",
              "| point | status | seed correct | correct / cases | gain, points | retention upper, nats | active s "
-             "| trained tokens (distinct docs) | precision |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| trained tokens (distinct docs) | precision |" + (" paired vs control (discordant), 99% interval |"
+                                                                  if body.get("candidate_ds_config") else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if body.get("candidate_ds_config") else "")]
     for p in body["points"]:
         if p["status"] == "complete":
             tokens = p.get("train_tokens") or {}
+            paired = p.get("paired")
             lines.append(f"| {p['point']} | complete | {p['seed_correct']} | {p['correct']} / {p['cases']} | "
                          f"{p['gain_points']:+.2f} | {p['retention_upper_nats']:+.5f} | {p['active_s']:.1f} | "
                          f"{tokens.get('tokens', '')} ({tokens.get('distinct_documents', '')}) | "
-                         f"{p.get('precision') or ''} |")
+                         f"{p.get('precision') or ''} |"
+                         + (f" {paired['difference_points']:+.2f} ({paired['discordant']}), "
+                            f"[{paired['lower_points']:+.2f}, {paired['upper_points']:+.2f}] |" if paired else ""))
         else:
-            lines.append(f"| {p['point']} | failed (exit {p['rc']}) | | | | | | | |")
+            lines.append(f"| {p['point']} | failed (exit {p['rc']}) | | | | | | | |"
+                         + (" |" if body.get("candidate_ds_config") else ""))
     chosen = body["chosen"]
     lines += ["", f"Chosen: `{chosen['point']}`" if chosen else "Chosen: none passed the retention bound", ""]
     confirm = body.get("confirmation")
     if confirm:
+        paired = confirm.get("paired")
         lines += [f"Second development seed (+{confirm['dev_seed_offset']}): `{confirm['point']}` "
                   + (f"{confirm['correct']} / {confirm['cases']}, gain {confirm['gain_points']:+.2f} points, retention "
                      f"upper {confirm['retention_upper_nats']:+.5f} nats" if confirm["status"] == "complete"
-                     else f"failed (exit {confirm['rc']})"), ""]
+                     else f"failed (exit {confirm['rc']})")
+                  + (f", paired vs control {paired['difference_points']:+.2f} points ({paired['discordant']} "
+                     f"discordant), 99% interval [{paired['lower_points']:+.2f}, {paired['upper_points']:+.2f}]"
+                     if paired else ""), ""]
     tmp = record.with_suffix(".md.tmp")
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(record.with_suffix(".md"))
@@ -211,6 +301,17 @@ def main(argv=None) -> int:
     parser.add_argument("--confirm_offset", type=int,
                         help="after choosing, train the chosen point again on this second development seed offset "
                              "and record it (the recipe must pass on both)")
+    parser.add_argument("--candidate_ds_config",
+                        help="sweep the candidate instead of the recipe: each point trains the plan's candidate arm "
+                             "with this ds_config (nshard.reducer powersgd) at the one recipe given by --lrs, --updates, "
+                             "--schedules and --cases_per_family, varying --dense_warmups and --powersgd_ranks, and "
+                             "pairs it with --control")
+    parser.add_argument("--dense_warmups", type=int, nargs="+", help="dense warm-up updates, one point each")
+    parser.add_argument("--powersgd_ranks", type=int, nargs="+", help="PowerSGD ranks, one point each")
+    parser.add_argument("--control", type=Path,
+                        help="with --candidate_ds_config: the study folder of the recipe's one-rank point on "
+                             "--dev_seed_offset (a sweep point's STUDY folder); its seed scores are reused")
+    parser.add_argument("--confirm_control", type=Path, help="the control's study folder on --confirm_offset")
     parser.add_argument("--dev_seed_offset", type=int, default=200)
     parser.add_argument("--out", default="runs/recipe-sweep")
     parser.add_argument("--record", default="launch/recipe/cpu-sweep", help="RECORD.json and RECORD.md are written")
@@ -232,6 +333,8 @@ def main(argv=None) -> int:
         parser.error("--confirm_offset must be a second development offset: neither 0 nor --dev_seed_offset")
     body["confirm_offset"] = args.confirm_offset
     body["confirmation"] = None
+    if args.candidate_ds_config:
+        return sweep_candidate(args, parser, plan, base_text, body)
     seed_evals: dict = {}  # the seed's scores, reused across points of one prepared identity (all but the rate)
 
     def one(lr, updates, schedule, cases, offset=None):
@@ -257,6 +360,58 @@ def main(argv=None) -> int:
         write_record(REPO / args.record, body)
     print(json.dumps({"chosen": chosen and chosen["point"], "record": args.record,
                       "confirmation_gain": (body["confirmation"] or {}).get("gain_points")}))
+    return 0 if chosen else 1
+
+
+def sweep_candidate(args, parser, plan, base_text: str, body: dict) -> int:
+    """--candidate_ds_config: the candidate's dense warm-up and rank at one frozen recipe (choose_candidate)."""
+    recipe = [args.lrs, args.updates, args.schedules, args.cases_per_family or [None]]
+    if any(len(values) != 1 for values in recipe):
+        parser.error("--candidate_ds_config sweeps the candidate at one recipe: give one --lrs, --updates, "
+                     "--schedules and --cases_per_family")
+    lr, updates, schedule, cases = (values[0] for values in recipe)
+    for flag, folder in (("--control", args.control), ("--confirm_control", args.confirm_control)):
+        if folder is not None and not (folder / "results.json").is_file():
+            parser.error(f"{flag} {folder}: no results.json; give the STUDY folder of a finished recipe point")
+    if args.control is None or (args.confirm_offset is not None and args.confirm_control is None):
+        parser.error("--candidate_ds_config needs --control (and --confirm_control with --confirm_offset)")
+    for flag, folder in (("--control", args.control), ("--confirm_control", args.confirm_control)):
+        if folder is not None:
+            stale = stale_scores(folder)
+            if stale:
+                parser.error(f"{flag} {folder}: {stale}")
+    warmups = args.dense_warmups or [json.loads((REPO / args.candidate_ds_config).read_text())["nshard"]
+                                     .get("dense_warmup_updates", 0)]
+    ranks = args.powersgd_ranks or [json.loads((REPO / args.candidate_ds_config).read_text())["nshard"]["rank"]]
+    body.update({"candidate_ds_config": args.candidate_ds_config, "control": str(args.control),
+                 "rule": (f"the fewest dense warm-up updates, then the lowest rank, among points with retention upper "
+                          f"bound < {plan.screens.max_retention_upper_nats} nats and a paired {plan.screens.confidence:.0%}"
+                          f" lower bound against the control > {plan.screens.min_paired_lower_points} points")})
+
+    def one(candidate, offset, control):
+        point = run_point(lr, updates, args, plan, base_text, control / "eval" / "seed", schedule, cases, offset,
+                          candidate, control)
+        print(f"[sweep] {point['point']} (dev +{point['dev_seed_offset']}): {point['status']}"
+              + (f", gain {point['gain_points']:+.2f} points, paired lower {point['paired']['lower_points']:+.2f}"
+                 if point["status"] == "complete" else ""), flush=True)
+        return point
+
+    def pick():
+        return choose_candidate(body["points"], plan.screens.max_retention_upper_nats,
+                                plan.screens.min_paired_lower_points)
+
+    for warmup in warmups:
+        for rank in ranks:
+            body["points"].append(one((warmup, rank), args.dev_seed_offset, args.control))
+            body["chosen"] = pick()
+            write_record(REPO / args.record, body)
+    chosen = body["chosen"]
+    if chosen and args.confirm_offset is not None:
+        body["confirmation"] = one((chosen["dense_warmup_updates"], chosen["powersgd_rank"]), args.confirm_offset,
+                                   args.confirm_control)
+        write_record(REPO / args.record, body)
+    print(json.dumps({"chosen": chosen and chosen["point"], "record": args.record,
+                      "confirmation_paired_lower": ((body["confirmation"] or {}).get("paired") or {}).get("lower_points")}))
     return 0 if chosen else 1
 
 

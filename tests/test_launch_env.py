@@ -49,3 +49,30 @@ def test_a_compiled_cpu_collective_is_noted_as_one_time_work(tmp_path, monkeypat
     with _noting_a_build():
         os.utime(built, ns=(before + 10**9, before + 10**9))  # rebuilt in place
     assert len(files.ONE_TIME_WORK) == 2
+
+
+BUILD = ("import json; from nshard import files; from nshard.seam.engine import build_cpu_comm_extension; "
+         "build_cpu_comm_extension(); print(json.dumps(files.ONE_TIME_WORK))")
+
+
+def test_a_process_whose_path_finds_another_ninja_builds_nothing_again():
+    """Two ninjas hash a build's command differently (PyPI's 1.13 in the venv, Debian's 1.11 in /usr/bin): each
+    read the other's build as changed, so a process started without the venv's bin on PATH (an ssh launch, a
+    script called by its path) compiled DeepSpeed's CPU collective again. Built once with the venv's bin first on
+    PATH, a second process whose PATH has only the system's directories builds nothing and notes nothing."""
+    from nshard.seam.launch_env import extensions_dir
+
+    venv_bin = os.path.dirname(sys.executable)
+    system = "/usr/local/bin:/usr/bin:/bin"
+
+    def build(path: str) -> list:
+        proc = subprocess.run([sys.executable, "-c", BUILD], env={**os.environ, "PATH": path},
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    build(os.pathsep.join([venv_bin, system]))  # built now or earlier: either is fine
+    built = os.path.join(extensions_dir(), "deepspeed_shm_comm", "deepspeed_shm_comm.so")
+    before = os.stat(built).st_mtime_ns
+    assert build(system) == []
+    assert os.stat(built).st_mtime_ns == before

@@ -99,6 +99,26 @@ def test_recipe_sweep_runs_two_points_on_the_tiny_plan_and_keeps_every_attempt(t
     assert "| lr0.003-u2-c3 | complete |" in md and "Second development seed (+201)" in md
     assert json.loads(proc.stdout.strip().splitlines()[-1])["record"] == str(record)
 
+    # The candidate at the chosen recipe: the plan's PowerSGD arm on two ranks with rank 2 (the tiny model's
+    # matrices are too small for the ds_config's 32), paired with the chosen point's one-rank answers.
+    chosen = body["chosen"]["point"]
+    control = tmp_path / "sweep" / "dev200" / chosen / "study"
+    candidate = tmp_path / "record" / "candidate"
+    script("launch.recipe_sweep", "--plan", "launch/plans/tiny.toml", "--lrs", str(body["chosen"]["lr"]),
+           "--updates", "2", "--cases_per_family", "3", "--candidate_ds_config", "ds_configs/powersgd.json",
+           "--dense_warmups", "1", "--powersgd_ranks", "2", "--control", str(control),
+           "--out", str(tmp_path / "sweep"), "--record", str(candidate), timeout=1200)
+    body = json.loads(candidate.with_suffix(".json").read_text())
+    (p,) = body["points"]
+    assert p["status"] == "complete" and p["point"] == f"{chosen}-w1-r2" and body["chosen"]["point"] == p["point"]
+    assert p["paired"]["n"] == 16 and p["paired"]["control_arm"] == "one-rank"
+    folder = tmp_path / "sweep" / "dev200" / p["point"]
+    assert 'name = "powersgd"\nranks = 2' in (folder / "plan.toml").read_text()
+    nshard = json.loads((folder / "ds_config.json").read_text())["nshard"]
+    assert (nshard["dense_warmup_updates"], nshard["rank"]) == (1, 2)
+    assert "score seed: scored earlier under the same commitment; reused" in (folder / "log.txt").read_text()
+    assert "| paired vs control (discordant), 99% interval |" in candidate.with_suffix(".md").read_text()
+
 
 def test_bench_precision_times_fp32_bf16_and_autocast_in_one_run(tmp_path):
     """Every mode trains the same batch in its own process on the real engine; the table compares each with fp32."""

@@ -91,7 +91,8 @@ def test_batched_gradient_and_adamw_update_match_reference(world, microbatch, re
     got, shares = batched_grads(model, docs, world, microbatch, reverse)
     sizes = [[len(m) for m in share] for share in shares]
     if world == 2:
-        assert sizes[0 if not reverse else 1] == [2, 2] and sizes[1 if not reverse else 0] == [2, 1]  # partial microbatch
+        # microbatches 0 1 to ranks 0 1, then 2 3 to ranks 1 0: rank 0 runs the longest and the partial one
+        assert sizes[0 if not reverse else 1] == [2, 1] and sizes[1 if not reverse else 0] == [2, 2]
     if world == 3:
         assert [0 in s for s in sizes].count(True) == 2  # two ranks run a zero-weight filler microbatch
     for name in ref:
@@ -139,4 +140,24 @@ def test_deal_is_length_sorted_and_covers_the_batch_once():
     shares = deal(list(range(7)), lengths, 2, 2)
     flat = [i for share in shares for micro in share for i in micro]
     assert sorted(flat) == list(range(7))
-    assert shares[0][0] == [1, 4] and shares[1][0] == [3, 0]  # longest first, ties by index
+    # Length order (ties by index) is 1 3 4 0 6 2 5: the one-rank microbatches [1, 3] [4, 0] [6, 2] [5], dealt whole
+    # to ranks 0 1, then 1 0; every rank runs the same number of microbatches.
+    assert shares == [[[1, 3], [5]], [[4, 0], [6, 2]]]
+    assert deal(list(range(7)), lengths, 1, 2) == [[[1, 3], [4, 0], [6, 2], [5]]]
+    assert deal(list(range(7)), lengths, 2, 4) == [[[1, 3, 4, 0]], [[6, 2, 5]]]
+    # Fewer microbatches than ranks: the documents are dealt, one microbatch a rank, so no rank idles.
+    assert deal(list(range(7)), lengths, 3, 4) == [[[1, 0, 5]], [[3, 6]], [[4, 2]]]
+    assert deal(list(range(8)), [1] * 8, 2, 3) == [[[0, 1, 2], []], [[3, 4, 5], [6, 7]]]
+
+
+def test_every_microbatch_of_a_two_rank_update_is_one_of_the_one_rank_arms():
+    """With bf16 compute the same documents padded the same way are the same computation: each rank's microbatches
+    (documents and padded input ids) are exactly microbatches of the one-rank arm, whatever the world size."""
+    docs = documents()
+    batch = list(range(len(docs)))
+    one = {tuple(d.doc_id for d in mb.docs): mb.input_ids for mb in rank_microbatches(docs, batch, 1, 0, 2, PAD)}
+    for world in (2, 3):
+        for rank in range(world):
+            for mb in rank_microbatches(docs, batch, world, rank, 2, PAD):
+                if not mb.filler:
+                    assert torch.equal(one[tuple(d.doc_id for d in mb.docs)], mb.input_ids)

@@ -194,21 +194,34 @@ def batch_schedule(n_docs: int, updates: int, global_batch: int, seed: int) -> l
 
 def deal(batch: list[int], lengths: list[int], world: int, microbatch: int,
          reverse_ranks: bool = False) -> list[list[list[int]]]:
-    """Sort a global batch by length, deal it round-robin to ranks, cut each rank's share into microbatches.
+    """Sort a global batch by length, cut it into the microbatches one rank would run, and deal those whole to the
+    ranks, the order snaking back each round (ranks 0 1 1 0 0 1 ...: the longest ones spread over the ranks).
 
-    Returns rank -> microbatches -> document indices. Every rank gets the same number of
-    microbatches (gradient accumulation steps must agree); a rank with fewer documents gets a
-    last partial microbatch, or an empty one that the trainer runs with zero weight.
+    Returns rank -> microbatches -> document indices. Each microbatch is the one-rank arm's, the same documents
+    padded to the same length on any world size, so a bf16 forward and backward of it is the same tensor
+    computation there; only the fp32 sum of the microbatches' gradients changes order. (Dealing documents
+    round-robin made every two-rank microbatch a new bf16 computation: noise the paired screen then counted.)
+    With fewer microbatches than ranks the documents themselves are dealt round-robin, one microbatch a rank, so
+    that no rank idles. Every rank gets the same number of microbatches (gradient accumulation steps must
+    agree); a rank with fewer gets an empty one last, which the trainer runs with zero weight.
     """
     if len(batch) < world:
         raise DataError(f"a global batch of {len(batch)} documents cannot feed {world} ranks; "
                         "raise train.global_batch_docs to at least the world size")
     ordered = sorted(batch, key=lambda i: (-lengths[i], i))
-    shares = [ordered[r::world] for r in range(world)]
+    steps = accumulation_steps(len(batch), world, microbatch)
+    micros = [ordered[s:s + microbatch] for s in range(0, len(ordered), microbatch)]
+    if len(micros) < world:
+        shares = [[ordered[r::world]] for r in range(world)]
+    else:
+        shares = [[] for _ in range(world)]
+        for k in range(0, len(micros), world):
+            ranks = range(world) if (k // world) % 2 == 0 else reversed(range(world))
+            for r, micro in zip(ranks, micros[k:k + world]):
+                shares[r].append(micro)
     if reverse_ranks:
         shares.reverse()
-    steps = accumulation_steps(len(batch), world, microbatch)
-    return [[share[s * microbatch:(s + 1) * microbatch] for s in range(steps)] for share in shares]
+    return [share + [[]] * (steps - len(share)) for share in shares]
 
 
 def accumulation_steps(global_batch: int, world: int, microbatch: int) -> int:

@@ -68,9 +68,10 @@ def build_cpu_comm_extension() -> None:
     init_distributed on a machine compiles it (~40 s) inside whichever run comes first."""
     from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
 
-    from nshard.seam.launch_env import extensions_dir
+    from nshard.seam.launch_env import extensions_dir, pin_ninja
 
     os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir()  # where the launched ranks will look (prepare_process_env)
+    pin_ninja()  # the ninja the ranks will use (prepare_process_env): another one would rebuild it
     with _noting_a_build():
         ShareMemCommBuilder().load(verbose=False)
 

@@ -29,10 +29,30 @@ def extensions_dir() -> str:
     return os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path(sys.prefix) / "torch_extensions")
 
 
+def pin_ninja() -> str | None:
+    """Put this interpreter's bin directory first on PATH when it holds a `ninja`; return that ninja.
+
+    torch builds DeepSpeed's JIT ops with whichever `ninja` PATH finds first, and two ninjas hash a build's
+    command differently: PyPI's 1.13 (in the venv) and Debian's 1.11 (/usr/bin) read each other's log as "command
+    line changed". A process that ran the venv's python without the venv's bin on PATH (`.venv/bin/python -m
+    nshard.study`, pytest) found Debian's, the ranks on emulated hosts (whose ssh puts the venv's bin first) PyPI's,
+    and each compiled the CPU collective again (20-45 s) after the other, although nothing had changed. With the
+    pin every process of a venv uses one ninja."""
+    bindir = Path(sys.executable).parent
+    ninja = bindir / "ninja"
+    if not ninja.is_file():
+        return None
+    parts = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p]
+    if not parts or parts[0] != str(bindir):
+        os.environ["PATH"] = os.pathsep.join([str(bindir), *parts])
+    return str(ninja)
+
+
 def prepare_process_env() -> None:
     """Fix what the launchers leave unset, before torch starts any thread pool."""
     env = os.environ
     env["TORCH_EXTENSIONS_DIR"] = extensions_dir()
+    pin_ninja()
     # mpirun (DeepSpeed's openmpi launcher) sets no RANK; map Open MPI's variables, and keep the
     # rendezvous on loopback for a single host (DeepSpeed's discovery would pick `hostname -I`).
     if "OMPI_COMM_WORLD_RANK" in env and "RANK" not in env:

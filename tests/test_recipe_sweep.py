@@ -1,0 +1,69 @@
+"""launch/recipe_sweep.py's rules, on records made up here (its runs on the tiny plan are in test_launch_scripts.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from runs import REPO, run_env
+
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from launch.recipe_sweep import candidate_ds_config, choose_candidate  # noqa: E402
+
+
+def point(warmups, rank, lower, retention=-0.1, status="complete"):
+    return {"point": f"w{warmups}-r{rank}", "status": status, "dense_warmup_updates": warmups, "powersgd_rank": rank,
+            "retention_upper_nats": retention, "paired": {"lower_points": lower}}
+
+
+def test_the_candidate_rule_takes_the_least_traffic_that_passes_both_bounds():
+    """Fewest dense warm-up updates first, then the lowest rank, among points whose paired lower bound clears the
+    margin and whose retention bound passes; a failed point, a bound on the margin, a retention fail never count."""
+    points = [point(1, 32, -5.4), point(3, 64, -1.0), point(3, 32, -2.9), point(2, 32, -3.0), point(2, 16, -1.0, 0.03),
+              point(1, 16, 0.0, status="failed")]
+    assert choose_candidate(points, 0.02, -3.0)["point"] == "w3-r32"
+    assert choose_candidate(points[:1], 0.02, -3.0) is None
+
+
+def test_the_candidate_ds_config_sets_the_rate_warm_up_and_rank_and_refuses_a_dense_reducer():
+    base = json.loads((REPO / "ds_configs" / "cpu-powersgd.json").read_text())
+    config = candidate_ds_config(base, 3e-4, "decay", 4, 64)
+    assert config["nshard"]["dense_warmup_updates"] == 4 and config["nshard"]["rank"] == 64
+    assert config["optimizer"]["params"]["lr"] == 3e-4 and config["scheduler"]["params"]["warmup_max_lr"] == 3e-4
+    assert base["nshard"]["rank"] == 32  # the base is not changed
+    with pytest.raises(SystemExit, match="nshard.reducer is powersgd"):
+        candidate_ds_config(json.loads((REPO / "ds_configs" / "cpu-dense.json").read_text()), 2e-4, "decay", 1, 32)
+
+
+def test_a_candidate_sweep_without_its_control_is_refused_in_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "launch.recipe_sweep", "--plan", "launch/plans/tiny.toml",
+                           "--lrs", "1e-3", "--candidate_ds_config", "ds_configs/powersgd.json",
+                           "--control", str(tmp_path)], cwd=REPO, env=run_env(), capture_output=True, text=True)
+    assert proc.returncode == 2 and "--control" in proc.stderr.strip().splitlines()[-1]
+    assert "no results.json" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "launch.recipe_sweep", "--plan", "launch/plans/tiny.toml",
+                           "--lrs", "1e-3", "2e-3", "--candidate_ds_config", "ds_configs/powersgd.json"],
+                          cwd=REPO, env=run_env(), capture_output=True, text=True)
+    assert proc.returncode == 2 and "one recipe" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_a_control_scored_another_way_is_refused_before_anything_trains(tmp_path):
+    """Scores made in another dtype than this machine scores the control's arm in (an fp32 scoring of a bf16 run)
+    can't be paired with a point scored here: refused up front, naming the fix, not after the point has trained."""
+    control = tmp_path / "control"
+    (control / "arms" / "one-rank").mkdir(parents=True)
+    (control / "arms" / "one-rank" / "ds_config.json").write_text((REPO / "ds_configs" / "cpu-dense.json").read_text())
+    (control / "results.json").write_text(json.dumps({"candidate": "one-rank"}))
+    for label in ("seed", "one-rank"):
+        (control / "eval" / label).mkdir(parents=True)
+        (control / "eval" / label / "summary.json").write_text(json.dumps({"device": "cpu", "dtype": "float16"}))
+    proc = subprocess.run([sys.executable, "-m", "launch.recipe_sweep", "--plan", "launch/plans/tiny.toml",
+                           "--lrs", "1e-3", "--candidate_ds_config", "ds_configs/powersgd.json",
+                           "--control", str(control)], cwd=REPO, env=run_env(), capture_output=True, text=True)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "seed was scored on cpu in float16" in last and "move" in last
