@@ -373,16 +373,14 @@ def sweep_candidate(args, parser, plan, base_text: str, body: dict) -> int:
     for flag, folder in (("--control", args.control), ("--confirm_control", args.confirm_control)):
         if folder is not None and not (folder / "results.json").is_file():
             parser.error(f"{flag} {folder}: no results.json; give the STUDY folder of a finished recipe point")
+        stale = folder is not None and stale_scores(folder)
+        if stale:
+            parser.error(f"{flag} {folder}: {stale}")
     if args.control is None or (args.confirm_offset is not None and args.confirm_control is None):
         parser.error("--candidate_ds_config needs --control (and --confirm_control with --confirm_offset)")
-    for flag, folder in (("--control", args.control), ("--confirm_control", args.confirm_control)):
-        if folder is not None:
-            stale = stale_scores(folder)
-            if stale:
-                parser.error(f"{flag} {folder}: {stale}")
-    warmups = args.dense_warmups or [json.loads((REPO / args.candidate_ds_config).read_text())["nshard"]
-                                     .get("dense_warmup_updates", 0)]
-    ranks = args.powersgd_ranks or [json.loads((REPO / args.candidate_ds_config).read_text())["nshard"]["rank"]]
+    base = json.loads((REPO / args.candidate_ds_config).read_text())["nshard"]
+    warmups = args.dense_warmups or [base.get("dense_warmup_updates", 0)]
+    ranks = args.powersgd_ranks or [base["rank"]]
     body.update({"candidate_ds_config": args.candidate_ds_config, "control": str(args.control),
                  "rule": (f"the fewest dense warm-up updates, then the lowest rank, among points with retention upper "
                           f"bound < {plan.screens.max_retention_upper_nats} nats and a paired {plan.screens.confidence:.0%}"

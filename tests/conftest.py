@@ -1,5 +1,4 @@
 import os
-import sys
 from pathlib import Path
 
 from devices import CUDA_SESSION_VARIABLE, cuda_session, cuda_skip_reason, pin_to_cpu
@@ -7,12 +6,6 @@ from devices import CUDA_SESSION_VARIABLE, cuda_session, cuda_skip_reason, pin_t
 # One model/replay cache for the whole session (and for the ranks the tests launch), inside the checkout.
 os.environ.setdefault("NSHARD_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "nshard"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# DeepSpeed's CPU collective is compiled into TORCH_EXTENSIONS_DIR, and a process that finds it stale compiles it
-# again in place. Each pytest-xdist worker gets a directory of its own, so one worker's runs never recompile under
-# the other's; tests/test_hosts.py goes back to the default (the venv's, which its ssh-launched ranks use).
-SHARED_EXTENSIONS_DIR = os.environ.get("TORCH_EXTENSIONS_DIR")
-if os.environ.get("PYTEST_XDIST_WORKER") and SHARED_EXTENSIONS_DIR is None:
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(Path(sys.prefix) / f"torch_extensions-{os.environ['PYTEST_XDIST_WORKER']}")
 if cuda_session():
     os.environ.setdefault("DS_ACCELERATOR", "cuda")
 else:  # before torch is imported: the CPU tests must not see a GPU, nor must the processes they start

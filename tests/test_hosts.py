@@ -30,20 +30,6 @@ CPUSETS = Path("/sys/fs/cgroup/cpuset")
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces, veth and sshd need root (the not-root test drops it with setpriv)")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def shared_extensions_dir():
-    """The ranks on the emulated hosts start over ssh, which does not carry TORCH_EXTENSIONS_DIR: this file's runs
-    use the default (the venv's) directory, not the worker's own (tests/conftest.py)."""
-    import conftest
-
-    mine = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if conftest.SHARED_EXTENSIONS_DIR is None:
-        os.environ.pop("TORCH_EXTENSIONS_DIR", None)
-    yield
-    if mine is not None:
-        os.environ["TORCH_EXTENSIONS_DIR"] = mine
-
-
 def hosts_sh(*args, timeout=120) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(HOSTS_SH), *args], capture_output=True, text=True, timeout=timeout)
 

@@ -221,7 +221,7 @@ def deal(batch: list[int], lengths: list[int], world: int, microbatch: int,
                 shares[r].append(micro)
     if reverse_ranks:
         shares.reverse()
-    return [share + [[]] * (steps - len(share)) for share in shares]
+    return [share + [[] for _ in range(steps - len(share))] for share in shares]
 
 
 def accumulation_steps(global_batch: int, world: int, microbatch: int) -> int:
