@@ -26,13 +26,15 @@ command, exit status and each point's figures.
 arm (two ranks of PowerSGD, on this machine) with that ds_config, one --dense_warmups and one --powersgd_ranks
 value, on the development seed of --control (the recipe's one-rank point there, whose seed scores it reuses), and
 pairs its answers with the control's as the study pairs its arms. The rule, fixed before the first point: among
-the points whose retention bound passes and whose paired lower bound against the control clears the plan's
-margin, the least traffic (the fewest dense warm-up updates, then the lowest rank). --confirm_offset with
---confirm_control trains the chosen point on a second development seed and pairs it with that seed's control.
+the points whose retention bound passes and whose paired lower bound against the control clears --margin (the
+plan's screen unless a stricter one is declared) on every development seed, the least traffic (the fewest dense
+warm-up updates, then the lowest rank). With --confirm_offset and --confirm_control, a point that passes on the
+first seed trains again on the second and is paired with that seed's control; the points run in the rule's order
+and the sweep stops at the first that passes on both.
 
     .venv/bin/python -m launch.recipe_sweep --lrs 2e-4 --updates 24 --global_batch_docs 16 --cases_per_family 48 \
-        --dev_seed_offset 400 --candidate_ds_config ds_configs/cpu-powersgd.json --dense_warmups 1 3 5 \
-        --control DEV400_POINT/study --confirm_offset 500 --confirm_control DEV500_POINT/study
+        --dev_seed_offset 400 --candidate_ds_config ds_configs/cpu-powersgd.json --dense_warmups 5 7 \
+        --margin -2 --control DEV400_POINT/study --confirm_offset 500 --confirm_control DEV500_POINT/study
 """
 
 from __future__ import annotations
@@ -237,12 +239,26 @@ def choose(points: list[dict], max_retention: float, schedules=SCHEDULES) -> dic
                                   -order.index(p.get("schedule", "decay"))), default=None)
 
 
-def choose_candidate(points: list[dict], max_retention: float, min_paired: float) -> dict | None:
+def choose_candidate(points: list[dict], max_retention: float, min_paired: float,
+                     offsets: tuple[int, ...] | None = None) -> dict | None:
     """The candidate sweep's rule: among the points whose retention upper bound is below the screen and whose
-    paired lower bound against the control is above the screen's margin, the least traffic: the fewest dense
-    warm-up updates, then the lowest rank."""
-    ok = [p for p in points if p["status"] == "complete" and p["retention_upper_nats"] is not None
-          and p["retention_upper_nats"] < max_retention and p["paired"]["lower_points"] > min_paired]
+    paired lower bound against the control is above the margin, the least traffic: the fewest dense warm-up
+    updates, then the lowest rank. With OFFSETS, a point counts only if it ran and passed on every one of those
+    development seeds (its runs are the entries of POINTS with the same name); the entry on the first is returned."""
+    def passes(p):
+        return (p["status"] == "complete" and p["retention_upper_nats"] is not None
+                and p["retention_upper_nats"] < max_retention and p["paired"]["lower_points"] > min_paired)
+
+    runs: dict[str, list[dict]] = {}
+    for p in points:
+        runs.setdefault(p["point"], []).append(p)
+    ok = []
+    for name, group in runs.items():
+        if not all(passes(p) for p in group):
+            continue
+        if offsets is not None and {p.get("dev_seed_offset") for p in group} != set(offsets):
+            continue
+        ok.append(group[0])
     return min(ok, key=lambda p: (p["dense_warmup_updates"], p["powersgd_rank"]), default=None)
 
 
@@ -257,23 +273,29 @@ def write_record(record: Path, body: dict) -> None:
              "| trained tokens (distinct docs) | precision |" + (" paired vs control (discordant), 99% interval |"
                                                                   if body.get("candidate_ds_config") else ""),
              "|---|---|---|---|---|---|---|---|---|" + ("---|" if body.get("candidate_ds_config") else "")]
+    def label(p):
+        both = body.get("candidate_ds_config") and body.get("confirm_both")
+        return f"{p['point']} (+{p['dev_seed_offset']})" if both else p["point"]
+
     for p in body["points"]:
         if p["status"] == "complete":
             tokens = p.get("train_tokens") or {}
             paired = p.get("paired")
-            lines.append(f"| {p['point']} | complete | {p['seed_correct']} | {p['correct']} / {p['cases']} | "
+            lines.append(f"| {label(p)} | complete | {p['seed_correct']} | {p['correct']} / {p['cases']} | "
                          f"{p['gain_points']:+.2f} | {p['retention_upper_nats']:+.5f} | {p['active_s']:.1f} | "
                          f"{tokens.get('tokens', '')} ({tokens.get('distinct_documents', '')}) | "
                          f"{p.get('precision') or ''} |"
                          + (f" {paired['difference_points']:+.2f} ({paired['discordant']}), "
                             f"[{paired['lower_points']:+.2f}, {paired['upper_points']:+.2f}] |" if paired else ""))
         else:
-            lines.append(f"| {p['point']} | failed (exit {p['rc']}) | | | | | | | |"
+            lines.append(f"| {label(p)} | failed (exit {p['rc']}) | | | | | | | |"
                          + (" |" if body.get("candidate_ds_config") else ""))
     chosen = body["chosen"]
-    lines += ["", f"Chosen: `{chosen['point']}`" if chosen else "Chosen: none passed the retention bound", ""]
+    lines += ["", f"Chosen: `{chosen['point']}`" if chosen else
+              ("Chosen: none passed on every development seed" if body.get("candidate_ds_config")
+               else "Chosen: none passed the retention bound"), ""]
     confirm = body.get("confirmation")
-    if confirm:
+    if confirm and not body.get("confirm_both"):
         paired = confirm.get("paired")
         lines += [f"Second development seed (+{confirm['dev_seed_offset']}): `{confirm['point']}` "
                   + (f"{confirm['correct']} / {confirm['cases']}, gain {confirm['gain_points']:+.2f} points, retention "
@@ -312,6 +334,9 @@ def main(argv=None) -> int:
                         help="with --candidate_ds_config: the study folder of the recipe's one-rank point on "
                              "--dev_seed_offset (a sweep point's STUDY folder); its seed scores are reused")
     parser.add_argument("--confirm_control", type=Path, help="the control's study folder on --confirm_offset")
+    parser.add_argument("--margin", type=float,
+                        help="with --candidate_ds_config: the paired lower bound a point must clear on every "
+                             "development seed, in points (default: the plan's screen; never below it)")
     parser.add_argument("--dev_seed_offset", type=int, default=200)
     parser.add_argument("--out", default="runs/recipe-sweep")
     parser.add_argument("--record", default="launch/recipe/cpu-sweep", help="RECORD.json and RECORD.md are written")
@@ -370,6 +395,10 @@ def sweep_candidate(args, parser, plan, base_text: str, body: dict) -> int:
         parser.error("--candidate_ds_config sweeps the candidate at one recipe: give one --lrs, --updates, "
                      "--schedules and --cases_per_family")
     lr, updates, schedule, cases = (values[0] for values in recipe)
+    margin = plan.screens.min_paired_lower_points if args.margin is None else args.margin
+    if margin < plan.screens.min_paired_lower_points:
+        parser.error(f"--margin {margin}: below the plan's screen ({plan.screens.min_paired_lower_points} points), so "
+                     "it could choose a point the screen fails; give a margin at or above it")
     for flag, folder in (("--control", args.control), ("--confirm_control", args.confirm_control)):
         if folder is not None and not (folder / "results.json").is_file():
             parser.error(f"{flag} {folder}: no results.json; give the STUDY folder of a finished recipe point")
@@ -381,10 +410,15 @@ def sweep_candidate(args, parser, plan, base_text: str, body: dict) -> int:
     base = json.loads((REPO / args.candidate_ds_config).read_text())["nshard"]
     warmups = args.dense_warmups or [base.get("dense_warmup_updates", 0)]
     ranks = args.powersgd_ranks or [base["rank"]]
+    offsets = (args.dev_seed_offset,) if args.confirm_offset is None else (args.dev_seed_offset, args.confirm_offset)
+    seeds = " and ".join(f"+{o}" for o in offsets)
     body.update({"candidate_ds_config": args.candidate_ds_config, "control": str(args.control),
+                 "confirm_control": args.confirm_control and str(args.confirm_control), "confirm_both": True,
+                 "margin_points": margin,
                  "rule": (f"the fewest dense warm-up updates, then the lowest rank, among points with retention upper "
                           f"bound < {plan.screens.max_retention_upper_nats} nats and a paired {plan.screens.confidence:.0%}"
-                          f" lower bound against the control > {plan.screens.min_paired_lower_points} points")})
+                          f" lower bound against the control > {margin} points on every development seed ({seeds}); "
+                          f"the points run in that order and the sweep stops at the first that passes")})
 
     def one(candidate, offset, control):
         point = run_point(lr, updates, args, plan, base_text, control / "eval" / "seed", schedule, cases, offset,
@@ -395,19 +429,25 @@ def sweep_candidate(args, parser, plan, base_text: str, body: dict) -> int:
         return point
 
     def pick():
-        return choose_candidate(body["points"], plan.screens.max_retention_upper_nats,
-                                plan.screens.min_paired_lower_points)
+        return choose_candidate(body["points"], plan.screens.max_retention_upper_nats, margin, offsets)
 
-    for warmup in warmups:
-        for rank in ranks:
-            body["points"].append(one((warmup, rank), args.dev_seed_offset, args.control))
-            body["chosen"] = pick()
+    def passed(point):
+        return choose_candidate([point], plan.screens.max_retention_upper_nats, margin) is not None
+
+    # The rule's own order: the first point that passes on every seed is the one it chooses from the whole list.
+    for warmup, rank in sorted((w, r) for w in warmups for r in ranks):
+        point = one((warmup, rank), args.dev_seed_offset, args.control)
+        body["points"].append(point)
+        if passed(point) and args.confirm_offset is not None:
             write_record(REPO / args.record, body)
-    chosen = body["chosen"]
-    if chosen and args.confirm_offset is not None:
-        body["confirmation"] = one((chosen["dense_warmup_updates"], chosen["powersgd_rank"]), args.confirm_offset,
-                                   args.confirm_control)
+            body["points"].append(one((warmup, rank), args.confirm_offset, args.confirm_control))
+        body["chosen"] = pick()
+        if body["chosen"] and args.confirm_offset is not None:
+            body["confirmation"] = body["points"][-1]
         write_record(REPO / args.record, body)
+        if body["chosen"]:
+            break
+    chosen = body["chosen"]
     print(json.dumps({"chosen": chosen and chosen["point"], "record": args.record,
                       "confirmation_paired_lower": ((body["confirmation"] or {}).get("paired") or {}).get("lower_points")}))
     return 0 if chosen else 1

@@ -16,9 +16,9 @@ if str(REPO) not in sys.path:
 from launch.recipe_sweep import candidate_ds_config, choose_candidate  # noqa: E402
 
 
-def point(warmups, rank, lower, retention=-0.1, status="complete"):
+def point(warmups, rank, lower, retention=-0.1, status="complete", offset=400):
     return {"point": f"w{warmups}-r{rank}", "status": status, "dense_warmup_updates": warmups, "powersgd_rank": rank,
-            "retention_upper_nats": retention, "paired": {"lower_points": lower}}
+            "retention_upper_nats": retention, "paired": {"lower_points": lower}, "dev_seed_offset": offset}
 
 
 def test_the_candidate_rule_takes_the_least_traffic_that_passes_both_bounds():
@@ -28,6 +28,29 @@ def test_the_candidate_rule_takes_the_least_traffic_that_passes_both_bounds():
               point(1, 16, 0.0, status="failed")]
     assert choose_candidate(points, 0.02, -3.0)["point"] == "w3-r32"
     assert choose_candidate(points[:1], 0.02, -3.0) is None
+
+
+def test_with_two_seeds_a_point_counts_only_if_it_clears_the_margin_on_both():
+    """The stricter development margin (-2) on both seeds: a point that passes on one seed only, or never ran on the
+    second, is not chosen; the entry returned is the first seed's."""
+    points = [point(3, 32, -1.86), point(3, 32, -2.28, offset=500), point(5, 32, -1.5), point(7, 32, -1.0),
+              point(7, 32, -1.9, offset=500)]
+    assert choose_candidate(points, 0.02, -3.0, (400, 500))["point"] == "w3-r32"
+    chosen = choose_candidate(points, 0.02, -2.0, (400, 500))
+    assert chosen["point"] == "w7-r32" and chosen["dev_seed_offset"] == 400
+    assert choose_candidate(points[:3], 0.02, -2.0, (400, 500)) is None
+    assert choose_candidate(points[2:3], 0.02, -2.0)["point"] == "w5-r32"  # one seed declared: one run is enough
+
+
+def test_a_development_margin_below_the_screen_is_refused(tmp_path):
+    control = tmp_path / "control"
+    control.mkdir()
+    (control / "results.json").write_text("{}")
+    proc = subprocess.run([sys.executable, "-m", "launch.recipe_sweep", "--plan", "launch/plans/tiny.toml",
+                           "--lrs", "1e-3", "--candidate_ds_config", "ds_configs/powersgd.json",
+                           "--control", str(control), "--margin", "-4"],
+                          cwd=REPO, env=run_env(), capture_output=True, text=True)
+    assert proc.returncode == 2 and "--margin -4.0: below the plan's screen" in proc.stderr.strip().splitlines()[-1]
 
 
 def test_the_candidate_ds_config_sets_the_rate_warm_up_and_rank_and_refuses_a_dense_reducer():
