@@ -21,6 +21,7 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
+from nshard.analysis.growth import growth_screen, growth_table, read_serving
 from nshard.analysis.paired import PairingError, cases_for_one_loss, mean_interval, paired_bounds
 from nshard.analysis.validated import NotValidated, check_validated
 from nshard.evidence.commit import CommitError, check_committed_as, files_sha256, load_commitment, model_files
@@ -314,6 +315,10 @@ def check_provenance(study_dir: Path, study: dict, record: dict | None) -> dict:
             started = read_json(Path(arm["run_dir"]) / "run.json").get("cohort") or {}
             links.append((f"arm {arm['name']}", started.get("commitment_sha256") == first["record_sha256"]
                           and started.get("parameter_root") == cohort["candidate_parameter_root"]))
+            if study.get("growth"):  # a growth arm trained what the study grew (the grown one) or the candidate
+                grown = study["growth"]["arms"][arm["name"]]["grown"]
+                links.append((f"arm {arm['name']}'s start", (started.get("grown") or {}).get("parameter_root")
+                              == (study["growth"]["grown"]["parameter_root"] if grown else None)))
     broken = [name for name, ok in links if not ok]
     if broken:
         raise StudyError(f"provenance: {', '.join(broken)} does not follow from {cohort['study']}'s accepted "
@@ -447,9 +452,16 @@ def analyze(study_dir: Path) -> dict:
     if cohort:
         quality = cohort_screen(candidate, case_rows.get(candidate["name"], []), seed_rows,
                                 first_cohort_families(study) if candidate["status"] == "complete" else [], screens)
+        if study.get("growth"):
+            quality = growth_screen(candidate, comparisons, quality, screens, study["growth"])
     else:
         quality = quality_screen(candidate, seed, comparisons, failed_controls, screens, heldout_pairs)
     speed = speed_screen(arms, study["candidate"], study["speed_baseline"], screens, study.get("placement"))
+    if study.get("growth"):  # the arms share a FLOPs budget, not a schedule: their times are reported, not screened
+        speed = {**speed, "passed": None, "comparable": False,
+                 "why": "a growth study's arms train under one FLOPs budget; their times and serving costs are "
+                        "reported beside the gain, not screened",
+                 "conditions": [{**c, "passed": None} for c in speed["conditions"]]}
     return {
         "exploratory": exploratory, "exploratory_reasons": exploratory_reasons,
         "commitment_sha256": commitment_sha, "commitment_anchor": read_anchor(study_dir, commitment),
@@ -460,6 +472,7 @@ def analyze(study_dir: Path) -> dict:
         "validation": validation_summary(study_dir), "placement": study.get("placement"), "warm_up": study.get("warm_up"),
         "seed": seed, "arms": arms, "comparisons": comparisons, "heldout_comparisons": heldout_pairs,
         "provenance": provenance,
+        **({"growth": study["growth"], "serving": read_serving(study_dir)} if study.get("growth") else {}),
         "screens": {"quality": {**quality, "evidence": evidence}, "speed": {**speed, "evidence": evidence}},
     }
 
@@ -580,6 +593,8 @@ def render_report(results: dict) -> str:
                              f"width; a single lost case would still clear the margin only with "
                              f"n ≥ {c['one_loss_passes_from_n']} cases (n = {c['n']}).")
         lines.append("")
+    if results.get("growth"):
+        lines += ["## Growth", "", growth_table(results), ""]
     verdict = "NOT COMPARABLE" if s["passed"] is None else "PASSED" if s["passed"] else "FAILED"
     lines += ["## Execution", "", execution_table(results), "", f"Speed screen: **{verdict}**", ""]
     if s["passed"] is None:

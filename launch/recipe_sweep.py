@@ -239,15 +239,22 @@ def choose(points: list[dict], max_retention: float, schedules=SCHEDULES) -> dic
                                   -order.index(p.get("schedule", "decay"))), default=None)
 
 
+def lost_cases(paired: dict) -> int:
+    """Cases the control answers right and the candidate wrong (the discordant pairs the candidate loses)."""
+    return (paired["discordant"] - (paired["candidate_correct"] - paired["control_correct"])) // 2
+
+
 def choose_candidate(points: list[dict], max_retention: float, min_paired: float,
-                     offsets: tuple[int, ...] | None = None) -> dict | None:
+                     offsets: tuple[int, ...] | None = None, max_lost: int | None = None) -> dict | None:
     """The candidate sweep's rule: among the points whose retention upper bound is below the screen and whose
     paired lower bound against the control is above the margin, the least traffic: the fewest dense warm-up
     updates, then the lowest rank. With OFFSETS, a point counts only if it ran and passed on every one of those
-    development seeds (its runs are the entries of POINTS with the same name); the entry on the first is returned."""
+    development seeds (its runs are the entries of POINTS with the same name); the entry on the first is returned.
+    With MAX_LOST, a run also loses at most that many of the control's correct answers."""
     def passes(p):
         return (p["status"] == "complete" and p["retention_upper_nats"] is not None
-                and p["retention_upper_nats"] < max_retention and p["paired"]["lower_points"] > min_paired)
+                and p["retention_upper_nats"] < max_retention and p["paired"]["lower_points"] > min_paired
+                and (max_lost is None or lost_cases(p["paired"]) <= max_lost))
 
     runs: dict[str, list[dict]] = {}
     for p in points:
@@ -270,7 +277,7 @@ def write_record(record: Path, body: dict) -> None:
     lines = [f"# CPU recipe sweep ({body['at']})", "", f"Base plan `{body['plan']}`, development seeds +"
              f"{body['dev_seed_offset']}, rule: {body['rule']}", "",
              "| point | status | seed correct | correct / cases | gain, points | retention upper, nats | active s "
-             "| trained tokens (distinct docs) | precision |" + (" paired vs control (discordant), 99% interval |"
+             "| trained tokens (distinct docs) | precision |" + (" paired vs control (discordant, lost), 99% interval |"
                                                                   if body.get("candidate_ds_config") else ""),
              "|---|---|---|---|---|---|---|---|---|" + ("---|" if body.get("candidate_ds_config") else "")]
     def label(p):
@@ -285,7 +292,7 @@ def write_record(record: Path, body: dict) -> None:
                          f"{p['gain_points']:+.2f} | {p['retention_upper_nats']:+.5f} | {p['active_s']:.1f} | "
                          f"{tokens.get('tokens', '')} ({tokens.get('distinct_documents', '')}) | "
                          f"{p.get('precision') or ''} |"
-                         + (f" {paired['difference_points']:+.2f} ({paired['discordant']}), "
+                         + (f" {paired['difference_points']:+.2f} ({paired['discordant']}, {lost_cases(paired)} lost), "
                             f"[{paired['lower_points']:+.2f}, {paired['upper_points']:+.2f}] |" if paired else ""))
         else:
             lines.append(f"| {label(p)} | failed (exit {p['rc']}) | | | | | | | |"
@@ -334,6 +341,9 @@ def main(argv=None) -> int:
                         help="with --candidate_ds_config: the study folder of the recipe's one-rank point on "
                              "--dev_seed_offset (a sweep point's STUDY folder); its seed scores are reused")
     parser.add_argument("--confirm_control", type=Path, help="the control's study folder on --confirm_offset")
+    parser.add_argument("--max_lost", type=int,
+                        help="with --candidate_ds_config: a point also loses at most this many of the control's correct "
+                             "answers on every development seed")
     parser.add_argument("--margin", type=float,
                         help="with --candidate_ds_config: the paired lower bound a point must clear on every "
                              "development seed, in points (default: the plan's screen; never below it)")
@@ -414,10 +424,12 @@ def sweep_candidate(args, parser, plan, base_text: str, body: dict) -> int:
     seeds = " and ".join(f"+{o}" for o in offsets)
     body.update({"candidate_ds_config": args.candidate_ds_config, "control": str(args.control),
                  "confirm_control": args.confirm_control and str(args.confirm_control), "confirm_both": True,
-                 "margin_points": margin,
+                 "margin_points": margin, "max_lost": args.max_lost,
                  "rule": (f"the fewest dense warm-up updates, then the lowest rank, among points with retention upper "
                           f"bound < {plan.screens.max_retention_upper_nats} nats and a paired {plan.screens.confidence:.0%}"
-                          f" lower bound against the control > {margin} points on every development seed ({seeds}); "
+                          f" lower bound against the control > {margin} points"
+                          + ("" if args.max_lost is None else f" and at most {args.max_lost} of the control's correct "
+                             "answers lost") + f" on every development seed ({seeds}); "
                           f"the points run in that order and the sweep stops at the first that passes")})
 
     def one(candidate, offset, control):
@@ -429,10 +441,10 @@ def sweep_candidate(args, parser, plan, base_text: str, body: dict) -> int:
         return point
 
     def pick():
-        return choose_candidate(body["points"], plan.screens.max_retention_upper_nats, margin, offsets)
+        return choose_candidate(body["points"], plan.screens.max_retention_upper_nats, margin, offsets, args.max_lost)
 
     def passed(point):
-        return choose_candidate([point], plan.screens.max_retention_upper_nats, margin) is not None
+        return choose_candidate([point], plan.screens.max_retention_upper_nats, margin, max_lost=args.max_lost) is not None
 
     # The rule's own order: the first point that passes on every seed is the one it chooses from the whole list.
     for warmup, rank in sorted((w, r) for w in warmups for r in ranks):

@@ -40,6 +40,15 @@ def write_json_atomic(path: Path, obj) -> None:
     tmp.replace(path)
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Text into a temp file beside `path`, then rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def write_jsonl_atomic(path: Path, rows: Iterable[dict]) -> None:
     """One JSON object per line into a temp file beside `path` (named by this process, so concurrent writers of
     the same file never share one), then rename: readers see the old file or the whole new one."""

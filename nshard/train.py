@@ -29,6 +29,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="continue the run directory (--out) from its newest state that verifies")
     parser.add_argument("--no-replay", action="store_true",
                         help="train without replay documents or a first cohort's cases (a no-replay control)")
+    parser.add_argument("--grown", type=Path, default=None,
+                        help="a growth study's upcycled arm: train this grown export of the cohort's accepted "
+                             "candidate (python -m nshard.grow) from its weights")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return parser.parse_args(argv)
 
@@ -39,7 +42,7 @@ def main(argv=None) -> int:
     from nshard.run.data import DataError
     from nshard.seam.ds_config import DsConfigError, load_ds_config, reducer_config
     from nshard.run.plan import PlanError, load_plan
-    from nshard.run.start import find_start
+    from nshard.run.start import find_start, grown_start
     from nshard.run.state import find_resumable
     from nshard.run.training import Run, RunError, preflight, run_training
 
@@ -54,6 +57,11 @@ def main(argv=None) -> int:
         out = Path(args.out) if args.out else plan.run_dir()
         resume_from = find_resumable(out, Path(args.plan), Path(args.ds_config), world_size) if args.resume else None
         start = find_start(plan, world_size) if plan.cohort.enabled else None  # a second cohort's accepted candidate
+        if args.grown is not None:
+            if start is None or start.kind != "weights":
+                raise ValueError("--grown trains a grown export of a cohort's accepted candidate: the plan needs "
+                                 "[cohort] with start = \"weights\"")
+            start = grown_start(start, args.grown)
     except (PlanError, DsConfigError, DataError, RunError, OSError, ValueError) as exc:
         print(f"nshard: error: {exc}", file=sys.stderr)
         return 2

@@ -117,7 +117,7 @@ def test_recipe_sweep_runs_two_points_on_the_tiny_plan_and_keeps_every_attempt(t
     nshard = json.loads((folder / "ds_config.json").read_text())["nshard"]
     assert (nshard["dense_warmup_updates"], nshard["rank"]) == (1, 2)
     assert "score seed: scored earlier under the same commitment; reused" in (folder / "log.txt").read_text()
-    assert "| paired vs control (discordant), 99% interval |" in candidate.with_suffix(".md").read_text()
+    assert "| paired vs control (discordant, lost), 99% interval |" in candidate.with_suffix(".md").read_text()
 
 
 def test_bench_precision_times_fp32_bf16_and_autocast_in_one_run(tmp_path):

@@ -13,7 +13,7 @@ from runs import REPO, run_env
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from launch.recipe_sweep import candidate_ds_config, choose_candidate  # noqa: E402
+from launch.recipe_sweep import candidate_ds_config, choose_candidate, lost_cases  # noqa: E402
 
 
 def point(warmups, rank, lower, retention=-0.1, status="complete", offset=400):
@@ -40,6 +40,17 @@ def test_with_two_seeds_a_point_counts_only_if_it_clears_the_margin_on_both():
     assert chosen["point"] == "w7-r32" and chosen["dev_seed_offset"] == 400
     assert choose_candidate(points[:3], 0.02, -2.0, (400, 500)) is None
     assert choose_candidate(points[2:3], 0.02, -2.0)["point"] == "w5-r32"  # one seed declared: one run is enough
+
+
+def test_a_cap_on_lost_cases_counts_the_control_s_right_answers_the_candidate_gets_wrong():
+    """4 discordant, 2 each way: 2 lost; 3 discordant at one case fewer right: 2 lost; 4 discordant at two fewer: 3."""
+    paired = {"discordant": 4, "candidate_correct": 36, "control_correct": 36}
+    assert lost_cases(paired) == 2 and lost_cases({**paired, "discordant": 3, "candidate_correct": 35}) == 2
+    assert lost_cases({**paired, "candidate_correct": 34}) == 3
+    points = [dict(point(5, 32, -2.1), paired={"lower_points": -2.1, **paired, "candidate_correct": 34}),
+              dict(point(7, 32, -2.0), paired={"lower_points": -2.0, **paired})]
+    assert choose_candidate(points, 0.02, -3.0, max_lost=2)["point"] == "w7-r32"
+    assert choose_candidate(points, 0.02, -3.0)["point"] == "w5-r32"
 
 
 def test_a_development_margin_below_the_screen_is_refused(tmp_path):

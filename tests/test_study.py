@@ -835,3 +835,67 @@ def test_a_growth_from_an_unaccepted_study_or_a_tampered_export_is_refused(study
     proc = grow_cli(edited_copy(accepted, tmp_path, flip), tmp_path / "tampered")
     assert proc.returncode == 2 and "is not what the study committed and judged" in proc.stderr, proc.stderr
     assert not (tmp_path / "unaccepted").exists() and not (tmp_path / "tampered").exists()
+
+
+def growth_plan(tmp: Path, study_dir: Path) -> Path:
+    """The cohort's tiny plan as a growth study: the accepted candidate continued dense against the same candidate
+    grown into 4 experts (top 2), both from its weights, under the FLOPs continued dense spends in 3 updates."""
+    ds = study_ds_config(study_dir)
+    plan = cohort_plan(tmp, study_dir, start="weights")
+    plan.write_text(plan.read_text() + '\n[growth]\nbudget = "train_flops"\nexperts = 4\ntop_k = 2\naux_coef = 0.1\n'
+                    '\n[study]\ncandidate = "grown"\nspeed_baseline = "dense"\neval_max_new_tokens = 12\n'
+                    f'\n[[study.arms]]\nname = "dense"\nranks = 2\nds_config = "{ds}"\n'
+                    f'\n[[study.arms]]\nname = "grown"\nranks = 2\nds_config = "{ds}"\ngrown = true\n')
+    return plan
+
+
+def test_a_tiny_growth_study_grows_the_accepted_candidate_and_trains_both_arms_within_one_budget(accepted, tmp_path):
+    """Grown once before either arm, the budget fixed in numbers and each arm's updates written into its plan; the
+    grown arm trains fewer updates (each token costs it more) within the same FLOPs; both are committed, scored,
+    validated, measured serving, and judged on the growth screen; the grown export loads in plain transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from nshard.evidence.export import verify_manifest
+    from runs import launch
+
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "nshard.study", "--plan", str(growth_plan(tmp_path, accepted)),
+                           "--out", str(out)], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.index("grew powersgd into") < proc.stdout.index("arm dense: training")
+    study = json.loads((out / "study.json").read_text())
+    growth = study["growth"]
+    dense, grown = growth["arms"]["dense"], growth["arms"]["grown"]
+    assert dense["updates"] == 3 and growth["budget"]["train_flops"] == dense["train_flops"]
+    assert grown["active_parameters_per_token"] > dense["active_parameters_per_token"]
+    assert 1 <= grown["updates"] < dense["updates"] and grown["train_flops"] <= growth["budget"]["train_flops"]
+    manifest = verify_manifest(out / "grown")
+    for name, arm in growth["arms"].items():
+        run = json.loads((out / "arms" / name / "run.json").read_text())
+        assert run["updates"] == arm["updates"] and run["budget"]["spent"] == arm["train_flops"]
+        assert run["cohort"]["parameter_root"] == study["cohort"]["candidate_parameter_root"]
+        assert (run["cohort"].get("grown") or {}).get("parameter_root") == (
+            manifest["parameter_root"] if arm["grown"] else None)
+    receipt = json.loads((out / "arms/grown/receipts/rank-0.json").read_text())
+    assert receipt["experts"]["routing_identical_on_ranks"] and len(receipt["update_experts"]) == grown["updates"]
+    model = AutoModelForCausalLM.from_pretrained(out / "arms/grown/model")
+    assert type(model).__name__ == "MixtralForCausalLM"
+    results = json.loads((out / "results.json").read_text())
+    names = [c["name"] for c in results["screens"]["quality"]["conditions"]]
+    assert names == ["paired 99% lower bound vs dense (continued dense), points",
+                     "first-cohort paired 99% lower bound vs the accepted checkpoint, points",
+                     "retention-change 99% upper bound vs the accepted checkpoint, nats"]
+    assert isinstance(results["screens"]["quality"]["passed"], bool) and results["screens"]["speed"]["passed"] is None
+    serving = json.loads((out / "serving.json").read_text())
+    assert set(serving) == {"dense", "grown"} and serving["grown"]["export_bytes"] > serving["dense"]["export_bytes"]
+    assert all(s["tokens_per_s_batch_1"] > 0 and s["time_to_first_token_s"] > 0 and s["peak_memory_bytes"] > 0
+               for s in serving.values())
+    report = (out / "report.md").read_text()
+    assert "## Growth" in report and "| Updates within the budget |" in report
+    # A schedule past the budget is refused by the trainer itself, before it writes anything.
+    over = tmp_path / "over.toml"
+    over.write_text(re.sub(r"(?m)^updates = \d+", f"updates = {dense['updates']}", (out / "arm-plans/grown.toml").read_text()))
+    refused = launch(tmp_path / "over", study_ds_config(accepted), world=1, plan=over,
+                     extra_args=["--grown", str(out / "grown")], check=False)
+    assert refused.returncode != 0 and "over the plan's budget" in refused.stderr, refused.stderr[-2000:]
+    assert not (tmp_path / "over").exists()

@@ -64,7 +64,8 @@ def candidate_entry(name: str, run_dir: Path) -> dict:
             "plan_sha256": run["plan_sha256"], "ds_config_sha256": run["ds_config_sha256"],
             "prepared_identity": run["prepared_identity"], "world_size": run["world_size"],
             "replay": run.get("replay", True),
-            "zero_stage": run.get("zero_stage"), "reducer": run.get("reducer")}
+            "zero_stage": run.get("zero_stage"), "reducer": run.get("reducer"),
+            **({"budget": run["budget"]} if run.get("budget") else {})}
 
 
 def files_sha256(files: dict[str, str]) -> str:
@@ -85,6 +86,8 @@ def build_commitment(seed_dir: Path, arms: dict[str, Path]) -> dict:
     candidates = [candidate_entry(name, run_dir) for name, run_dir in arms.items()]
     identities = {c["prepared_identity"] for c in candidates if c["replay"]} or {c["prepared_identity"]
                                                                                for c in candidates}
+    if len(identities) > 1 and all(c.get("budget") for c in candidates):
+        identities = {budget_cut_identity(candidates)}
     if len(identities) != 1:
         raise CommitError(f"the candidates were trained on different prepared inputs {sorted(identities)}; "
                           "a study compares arms of one plan")
@@ -95,6 +98,25 @@ def build_commitment(seed_dir: Path, arms: dict[str, Path]) -> dict:
             "candidates": candidates}
     body["record_sha256"] = record_sha256(body)
     return body
+
+
+def budget_cut_identity(candidates: list[dict]) -> str:
+    """A growth study's arms (each with a training budget) train the same documents and sets, each the part of one
+    schedule its budget buys: their schedules are prefixes of the longest. The longest arm's identity, else
+    CommitError naming what differs."""
+    def prepared(c, name):
+        return (Path(c["run_dir"]) / "prepared" / name).read_bytes()
+
+    longest = max(candidates, key=lambda c: len(json.loads(prepared(c, "schedule.json"))))
+    full = json.loads(prepared(longest, "schedule.json"))
+    for c in candidates:
+        schedule = json.loads(prepared(c, "schedule.json"))
+        same = all(prepared(c, f) == prepared(longest, f) for f in ("documents.jsonl", "sets.json"))
+        if not same or schedule != full[:len(schedule)]:
+            raise CommitError(f"the candidates {c['name']} and {longest['name']} were trained on different prepared "
+                              "inputs: under one budget the arms train the same documents and sets, each a prefix of "
+                              "one schedule; a study compares arms of one plan")
+    return longest["prepared_identity"]
 
 
 def write_commitment(path: Path, seed_dir: Path, arms: dict[str, Path]) -> dict:

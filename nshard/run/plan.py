@@ -130,6 +130,9 @@ class ScreensSection:
     min_heldout_gain_nats: float = 0.0
     """With own data (data.chat_heldout): the candidate's held-out loss per response token must lie more than this
     below the seed's."""
+    min_growth_paired_lower_points: float = 0.0
+    """A growth study ([growth]): the grown candidate's paired lower bound of the accuracy difference against each
+    continued-dense arm must lie above this (0: a quality advantage; more parameters alone do not pass)."""
     max_heldout_paired_upper_nats: float = 0.02
     """With own data: the upper confidence bound of the candidate's per-document held-out loss minus each control's,
     nats per response token, must lie below this (noninferiority on held-out loss)."""
@@ -155,6 +158,9 @@ class ArmSpec:
     replay: bool = True
     """false: train without replay, neither general replay documents nor a first cohort's cases (a second cohort's
     no-replay control); the arm is scored on the candidate's evaluation and retention sets."""
+    grown: bool = False
+    """A growth study's upcycled arm ([growth]): it trains the accepted candidate grown into a sparse model
+    (nshard/grow.py), not the candidate itself; the other arms continue the candidate dense."""
 
     def __post_init__(self):
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
@@ -165,6 +171,8 @@ class ArmSpec:
         _positive(f"study.arms[{self.name}].ranks", self.ranks)
         if self.keep_state is not None and not isinstance(self.keep_state, bool):
             raise PlanError(f"study.arms[{self.name}].keep_state={self.keep_state!r}: use true or false")
+        if not isinstance(self.grown, bool):
+            raise PlanError(f"study.arms[{self.name}].grown={self.grown!r}: use true or false")
 
 
 def cohort_arms() -> list[dict]:
@@ -296,6 +304,48 @@ class CohortSection:
         return bool(self.from_study)
 
 
+BUDGETS = ("train_flops",)
+
+
+@dataclass(frozen=True)
+class GrowthSection:
+    """A growth study (docs/growth.md#the-growth-study): the accepted candidate continued dense against the same
+    candidate upcycled into a sparse model, both from its weights, on this plan's new material, under one training
+    budget declared here before either arm runs."""
+
+    experts: int = 4
+    top_k: int = 2
+    seed: int = 0
+    """The router's seed."""
+    router_std: float = 0.02
+    aux_coef: float = 0.01
+    """router_aux_loss_coef of the grown model: the weight of nshard's load-balancing loss in training."""
+    budget: str = ""
+    """What the budget counts: "train_flops", 6 x the parameters one token passes through x the tokens trained
+    (each update's document tokens, padding not counted; attention's sequence term left out). Empty: no growth."""
+    train_flops: float = 0.0
+    """The frozen budget every arm trains within; 0: what continued dense training spends in train.updates
+    updates, computed from the plan's data before either arm runs. Each arm trains the most updates it allows."""
+
+    def __post_init__(self):
+        if self.budget and self.budget not in BUDGETS:
+            raise PlanError(f"growth.budget={self.budget!r}: use \"train_flops\" (6 x active parameters x tokens "
+                            "trained). A device-seconds budget would make an arm's length depend on the machine it ran "
+                            "on, so a resumed arm would not end where the first try would have")
+        if not self.train_flops >= 0:
+            raise PlanError(f"growth.train_flops={self.train_flops}: give a positive number of FLOPs, or 0 for what "
+                            "continued dense training spends in train.updates updates")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.budget)
+
+    def settings(self):
+        from nshard.grow import Growth  # noqa: PLC0415 (grow imports torch; a plan check need not)
+
+        return Growth(self.experts, self.top_k, self.seed, self.router_std, self.aux_coef)
+
+
 @dataclass(frozen=True)
 class OutputSection:
     dir: str = ""
@@ -313,8 +363,10 @@ class Plan:
     output: OutputSection = field(default_factory=OutputSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     cohort: CohortSection = field(default_factory=CohortSection)
+    growth: GrowthSection = field(default_factory=GrowthSection)
 
     def __post_init__(self):
+        check_growth(self)
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
             raise PlanError(f"name={self.name!r}: use letters, digits, '-', '_' or '.' (it names the run directory)")
         n_train = self.train_documents()
@@ -334,7 +386,31 @@ class Plan:
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection,
             "screens": ScreensSection, "study": StudySection, "output": OutputSection,
-            "checkpoint": CheckpointSection, "cohort": CohortSection}
+            "checkpoint": CheckpointSection, "cohort": CohortSection, "growth": GrowthSection}
+
+
+def check_growth(plan: "Plan") -> None:
+    """[growth] and the arms' `grown` agree: a growth study starts every arm from the accepted candidate's weights
+    (cohort.start = "weights": a grown model has no optimizer state to continue), has one grown arm, the candidate,
+    and at least one arm that continues the candidate dense."""
+    grown = [a.name for a in plan.study.arms if a.grown]
+    if not plan.growth.enabled:
+        if grown:
+            raise PlanError(f"study.arms {grown} set grown = true without a [growth] section; add [growth] with "
+                            "budget = \"train_flops\" (and the upcycling settings), or drop grown")
+        return
+    if not plan.cohort.enabled or plan.cohort.start != "weights":
+        raise PlanError("[growth] needs [cohort] with from = an accepted study and start = \"weights\": both arms "
+                        "start from the accepted candidate's export (a grown model has no optimizer state to continue)")
+    if len(grown) != 1 or plan.study.candidate != grown[0]:
+        raise PlanError(f"[growth]: exactly one arm sets grown = true and it is study.candidate (grown arms: {grown}, "
+                        f"candidate: {plan.study.candidate!r})")
+    if len(plan.study.arms) < 2:
+        raise PlanError("[growth]: add an arm without grown, the accepted candidate continued dense, to compare with")
+    try:
+        plan.growth.settings().check()
+    except ValueError as exc:
+        raise PlanError(f"growth: {str(exc).replace('--', 'growth.')}") from None
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from nshard.evidence.commit import CommitError, check_committed_as, load_commitment, model_files
-from nshard.evidence.export import ManifestError, verify_manifest
+from nshard.evidence.export import MANIFEST, ManifestError, verify_manifest
+from nshard.files import file_sha256
 from nshard.run import state as state_mod
 from nshard.run.cohort import CohortError, read_accepted, read_json
 from nshard.run.plan import Plan
@@ -46,6 +47,36 @@ def find_start(plan: Plan, world_size: int) -> StartPoint:
              if plan.cohort.start == "state" else None)
     return StartPoint(plan.cohort.start, model_dir, state, plan.cohort.dense_warmup,
                       {**provenance, "state": state.name if state else None})
+
+
+def grown_start(point: StartPoint, grown_dir) -> StartPoint:
+    """A growth study's upcycled arm (train.py --grown): the same accepted candidate, grown. Refused (CohortError)
+    unless the grown export verifies against its manifest and its provenance names this candidate: the record,
+    the committed parameter root and files the accepted study's are. The arm then trains the grown weights
+    (start = "weights"); run.json keeps the accepted candidate's provenance and adds the grown export's."""
+    from nshard.grow import GROWN
+
+    grown_dir = Path(grown_dir)
+    try:
+        manifest = verify_manifest(grown_dir)
+    except ManifestError as exc:
+        raise CohortError(f"--grown {grown_dir}: the grown export does not match its manifest: {exc}") from None
+    source = (manifest.get("grown") or {}).get("source") or {}
+    prov = point.provenance
+    wanted = {"kind": "accepted study", "commitment_sha256": prov["commitment_sha256"],
+              "candidate": prov["candidate"], "parameter_root": prov["parameter_root"]}
+    differs = [k for k, v in wanted.items() if source.get(k) != v]
+    if differs or source.get("model_files") != prov["model_files"]:
+        raise CohortError(f"--grown {grown_dir}: it was not grown from this study's accepted candidate "
+                          f"({', '.join(differs) or 'model_files'} differ from {prov['study']}'s); grow it with "
+                          f"python -m nshard.grow --from {prov['study']}")
+    grown = {"model_dir": str(grown_dir.resolve()), "parameter_root": manifest["parameter_root"],
+             "manifest_sha256": file_sha256(grown_dir / MANIFEST),
+             "grown_json_sha256": file_sha256(grown_dir / GROWN), "growth": manifest["grown"]["growth"],
+             "active_parameters_per_token": manifest["grown"]["active_parameters_per_token"],
+             "parameters": manifest["grown"]["parameters"]}
+    return StartPoint("weights", grown_dir, None, False,
+                      {**prov, "export_root": manifest["parameter_root"], "grown": grown})
 
 
 def accepted_export(study_dir) -> tuple[Path, dict]:

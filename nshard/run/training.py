@@ -298,6 +298,22 @@ def start_cohort(run: Run, engine, seam) -> dict:
     return record
 
 
+def check_budget(run: Run, model_ref, prepared, schedule) -> dict | None:
+    """A growth study's arm ([growth]): its schedule's training FLOPs within the plan's budget (nshard/run/budget.py),
+    else BudgetError on every rank; the record for run.json and the receipts. Without growth.train_flops the budget
+    is what the accepted candidate, continued dense, spends in train.updates updates."""
+    from nshard.run import budget as budget_mod
+    from nshard.run.cohort import read_accepted
+
+    if not run.plan.growth.enabled:
+        return None
+    tokens = budget_mod.update_tokens([len(p.input_ids) for p in prepared], schedule)
+    active = budget_mod.model_active_parameters(model_ref.path)
+    limit = run.plan.growth.train_flops or budget_mod.flops(
+        budget_mod.model_active_parameters(read_accepted(run.plan.cohort.from_study).model_dir), tokens)
+    return budget_mod.check_schedule(limit, active, tokens)
+
+
 def run_training(run: Run, overwrite: bool = False, resume_from: state_mod.ResumePoint | None = None) -> dict:
     """A fresh run, or (resume_from: a state found by nshard.run.state.find_resumable) one continued from a state.
     Rank 0 owns the run directory for the run's life (nshard/lock.py); a run that holds it refuses every rank."""
@@ -310,6 +326,7 @@ def run_training(run: Run, overwrite: bool = False, resume_from: state_mod.Resum
 
 
 def train_owned(run: Run, overwrite: bool, resume_from: state_mod.ResumePoint | None) -> dict:
+    from nshard.run.cohort import start_model_spec
     from nshard.run.models import load_model, load_tokenizer, resolve_model
 
     # Before any CUDA kernel runs: cuBLAS reads its workspace setting when it starts.
@@ -322,8 +339,11 @@ def train_owned(run: Run, overwrite: bool, resume_from: state_mod.ResumePoint | 
     on_main_rank(run, resolve_model, spec)
     model_ref = resolve_model(spec)
     tokenizer = load_tokenizer(model_ref)
-    inputs = prepare_inputs(run, tokenizer, model_ref)
+    # A cohort's replay answers are the accepted candidate's, whichever model the arm trains (a grown one included).
+    replay_ref = resolve_model(start_model_spec(run.plan)) if run.plan.cohort.enabled else model_ref
+    inputs = prepare_inputs(run, tokenizer, replay_ref)
     docs, prepared, schedule, sets, identity = inputs
+    budget = check_budget(run, model_ref, prepared, schedule)  # a growth study's arm: refused before anything is written
     mark("model and inputs")
     # Only now, with every input checked, does the run directory appear. A resumed run's is written only once its
     # state has passed every check (keeper.restore), so a refused resume leaves it as it was.
@@ -356,7 +376,8 @@ def train_owned(run: Run, overwrite: bool, resume_from: state_mod.ResumePoint | 
              "optimizer": patches.optimizer_classes(engine), "determinism": determinism,
              "precision": ds_precision(json.loads(run.ds_config_path.read_text())),
              "startup": startup(receipt.first_update_at),
-             "experts": run.experts and {**run.experts.declared(), **experts_mod.summary(receipt.update_experts)}}
+             "experts": run.experts and {**run.experts.declared(), **experts_mod.summary(receipt.update_experts)},
+             "budget": budget}
     body = receipt.finish(run.out / "receipts" / f"rank-{run.rank}.json", root, active_plus_checkpoint, extra)
     dist.barrier()
     if run.is_main:
@@ -364,7 +385,7 @@ def train_owned(run: Run, overwrite: bool, resume_from: state_mod.ResumePoint | 
                        model={"spec": model_ref.spec, "kind": model_ref.kind, "sha256": model_ref.sha256},
                        zero_stage=extra["zero_stage"], reducer=extra["reducer"], precision=extra["precision"],
                        resumed_from_update=body["resumed_from_update"], resumed_from=resumed,
-                       cohort=run.start and {**run.start.provenance, "start": started})
+                       cohort=run.start and {**run.start.provenance, "start": started}, budget=budget)
         print(json.dumps({"run": str(run.out), "parameter_root": root, "active_s": round(body["active_s"], 3)}),
               flush=True)
     return body

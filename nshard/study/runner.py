@@ -30,6 +30,7 @@ from nshard import lock
 from nshard.evidence.archive import ArchiveError, create_study_archive
 from nshard.files import file_sha256, write_json_atomic
 from nshard.run.device import cuda_available
+from nshard.study import growth as growth_mod
 from nshard.study import placement as placement_mod
 from nshard.seam.launch_env import free_port
 from nshard.run.plan import REPO_ROOT, ArmSpec, Plan, PlanError, find_beside, load_plan
@@ -63,7 +64,8 @@ def launch_command(arm: ArmSpec, plan: Plan, plan_path: Path, ds_config: Path, r
     deepspeed = str(Path(sys.executable).with_name("deepspeed"))
     return [deepspeed, *launcher_where(arm, plan, hosts), "--master_port", str(port), str(TRAIN_SCRIPT),
             "--ds_config", str(ds_config), "--plan", str(plan_path), "--out", str(run_dir), "--overwrite",
-            *([] if arm.replay else ["--no-replay"])]
+            *([] if arm.replay else ["--no-replay"]),
+            *(["--grown", str(growth_mod.grown_dir(run_dir.parent.parent))] if arm.grown else [])]
 
 
 def launcher_where(arm: ArmSpec, plan: Plan, hosts: dict | None = None) -> list[str]:
@@ -435,6 +437,11 @@ def run_owned(plan: Plan, plan_path: Path, out: Path, exploratory: bool) -> dict
              "screens": dataclasses.asdict(plan.screens), "exploratory": exploratory, "arms": [], "cohort": cohort,
              "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
     shutil.copyfile(plan_path, out / "plan.toml")
+    # A growth study: the candidate grown, the budget in numbers and each arm's plan, before any arm.
+    arm_plans = {a.name: plan_path for a in plan.study.arms}
+    if plan.growth.enabled:
+        study["growth"], grown_plans = growth_mod.plan_budget(plan, plan_path, out, say)
+        arm_plans.update(grown_plans)
     study["placement"] = placement
     if not study["placement"]["comparable"]:
         say(f"speed screen not comparable: {study['placement']['why']}")
@@ -445,13 +452,13 @@ def run_owned(plan: Plan, plan_path: Path, out: Path, exploratory: bool) -> dict
             study["placement"].update(hosts=hosts["hosts"], cores=hosts["cores"])
             say(f"emulated hosts up: {', '.join(f'{h} on core(s) {c}' for h, c in zip(hosts['hosts'], hosts['cores']))}, "
                 f"link {plan.study.link}")
-            if not all(arm_is_done(out / "arms" / a.name, file_sha256(plan_path),
+            if not all(arm_is_done(out / "arms" / a.name, file_sha256(arm_plans[a.name]),
                                    file_sha256(resolve_ds_config(a.ds_config, plan_path)), a.ranks, a.replay)
                        for a in plan.study.arms):  # an arm will be timed
                 study["warm_up"] = warm_up_hosts(plan, plan_path, out, hosts)
         for arm in plan.study.arms:
-            study["arms"].append(settle_state(arm, plan, train_arm(arm, plan, plan_path, out, previous.get(arm.name),
-                                                                    hosts)))
+            study["arms"].append(settle_state(arm, plan, train_arm(arm, plan, arm_plans[arm.name], out,
+                                                                    previous.get(arm.name), hosts)))
             write_json_atomic(out / "study.json", study)
     if hosts is not None:
         say("emulated hosts down")
@@ -468,8 +475,13 @@ def run_owned(plan: Plan, plan_path: Path, out: Path, exploratory: bool) -> dict
         say("EXPLORATORY: scoring without a commitment; every output says so")
     evals = score_all(plan, out, seed_dir, done, record)
     tokenizer = load_tokenizer(ModelRef(str(seed_dir), str(seed_dir), None, "local"))
-    validation = validate_scores(plan, plan_path, out, done, evals, record, tokenizer)
+    validation = validate_scores(plan, arm_plans[plan.study.candidate], out, done, evals, record, tokenizer)
     study["validation"] = {k: validation.get(k) for k in ("passed", "case_ids", "regenerated", "validate_s")}
+    if plan.growth.enabled:  # the cost of each model beside its gain, measured here, now, one model at a time
+        from nshard.study.serving import measure_all
+
+        measure_all({name: run / "model" for name, run in done.items()}, done.get(plan.study.candidate) or
+                    next(iter(done.values())), out / "serving.json", plan.study.eval_batch_size, note=say)
     study["train_s"], study["total_s"] = train_s, time.perf_counter() - t0
     write_json_atomic(out / "study.json", study)
     # The analysis reads files only; a separate process keeps torch and nshard out of it.
@@ -502,7 +514,7 @@ def main(argv=None) -> int:
     try:
         results = run_study(args.plan, args.out, args.exploratory)
     except (PlanError, DataError, DsConfigError, StudyError, CommitError, EvalError, ValidationError, HostfileError,
-            ArchiveError, placement_mod.PlacementError, lock.LockError, OSError) as exc:
+            ArchiveError, placement_mod.PlacementError, lock.LockError, growth_mod.GrowthError, OSError) as exc:
         print(f"nshard.study: error: {exc}", file=sys.stderr)
         return 2
     failed = [a["name"] for a in results["arms"] if a["status"] != "complete"]
