@@ -20,12 +20,10 @@ from pathlib import Path
 import torch
 
 from nshard.evidence.commit import files_sha256, model_files
-from nshard.evidence.export import MANIFEST, ManifestError, verify_manifest, write_manifest
+from nshard.evidence.export import GROWN, MANIFEST, ManifestError, verify_manifest, write_manifest
 from nshard.files import file_sha256, staged_dir
 from nshard.run.receipts import parameter_root
 
-GROWN = "nshard-grown.json"
-"""Written beside the weights: how the model was grown, so a reader needs no nshard to know it."""
 CARRIED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
            "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
            "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "attention_dropout",

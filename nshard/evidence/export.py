@@ -12,6 +12,8 @@ from pathlib import Path
 from nshard.files import file_sha256, first_difference, make_readable
 
 MANIFEST = "manifest.json"
+GROWN = "nshard-grown.json"
+"""A grown export's record beside its weights (nshard/grow.py): how it was grown, readable without nshard."""
 FORMAT = "nshard-export/2"
 FORMAT_1 = "nshard-export/1"
 """The earlier format listed regular files only; still verified, every other entry but their folders being extra."""

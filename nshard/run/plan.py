@@ -340,10 +340,10 @@ class GrowthSection:
     def enabled(self) -> bool:
         return bool(self.budget)
 
-    def settings(self):
-        from nshard.grow import Growth  # noqa: PLC0415 (grow imports torch; a plan check need not)
+    def settings(self) -> dict:
+        """The upcycling settings, as nshard.grow.Growth takes them."""
+        return {k: getattr(self, k) for k in ("experts", "top_k", "seed", "router_std", "aux_coef")}
 
-        return Growth(self.experts, self.top_k, self.seed, self.router_std, self.aux_coef)
 
 
 @dataclass(frozen=True)
@@ -407,10 +407,13 @@ def check_growth(plan: "Plan") -> None:
                         f"candidate: {plan.study.candidate!r})")
     if len(plan.study.arms) < 2:
         raise PlanError("[growth]: add an arm without grown, the accepted candidate continued dense, to compare with")
-    try:
-        plan.growth.settings().check()
-    except ValueError as exc:
-        raise PlanError(f"growth: {str(exc).replace('--', 'growth.')}") from None
+    g = plan.growth
+    if g.experts < 2 or not 1 <= g.top_k <= g.experts:
+        raise PlanError(f"growth.experts={g.experts}, growth.top_k={g.top_k}: give at least 2 experts and "
+                        "1 <= top_k <= experts")
+    if not g.router_std > 0 or not g.aux_coef >= 0:
+        raise PlanError(f"growth.router_std={g.router_std}, growth.aux_coef={g.aux_coef}: the router's std must be "
+                        "positive (a zero router leaves experts dead) and the load-balancing weight >= 0")
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from nshard.evidence.commit import CommitError, check_committed_as, load_commitment, model_files
-from nshard.evidence.export import MANIFEST, ManifestError, verify_manifest
+from nshard.evidence.export import GROWN, MANIFEST, ManifestError, verify_manifest
 from nshard.files import file_sha256
 from nshard.run import state as state_mod
 from nshard.run.cohort import CohortError, read_accepted, read_json
@@ -54,8 +54,6 @@ def grown_start(point: StartPoint, grown_dir) -> StartPoint:
     unless the grown export verifies against its manifest and its provenance names this candidate: the record,
     the committed parameter root and files the accepted study's are. The arm then trains the grown weights
     (start = "weights"); run.json keeps the accepted candidate's provenance and adds the grown export's."""
-    from nshard.grow import GROWN
-
     grown_dir = Path(grown_dir)
     try:
         manifest = verify_manifest(grown_dir)

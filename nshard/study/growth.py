@@ -28,7 +28,9 @@ def make_grown(plan: Plan, out: Path, note) -> dict:
     from nshard.grow import GrowError, grow
     from nshard.run.start import accepted_export
 
-    target, settings = grown_dir(out), plan.growth.settings()
+    from nshard.grow import Growth
+
+    target, settings = grown_dir(out), Growth(**plan.growth.settings())
     _, provenance = accepted_export(plan.cohort.from_study)
     if target.exists():
         try:
@@ -59,9 +61,10 @@ def arm_model_dir(plan: Plan, out: Path, grown: bool) -> Path:
     return grown_dir(out) if grown else read_accepted(plan.cohort.from_study).model_dir
 
 
-def plan_budget(plan: Plan, plan_path: Path, out: Path, note) -> tuple[dict, dict[str, Path]]:
+def plan_budget(plan: Plan, plan_path: Path, out: Path, note, resolve_ds_config) -> tuple[dict, dict[str, Path]]:
     """The budget in numbers and each arm's updates within it (nshard/run/budget.py), from the plan's own data
-    tokenized here; each arm's plan is written with them. Returns (study.json's "growth", arm name -> plan path)."""
+    tokenized here; each arm's plan is written with them. Returns (study.json's "growth", arm name -> plan path).
+    resolve_ds_config(path, plan_path): where the study finds an arm's ds_config (nshard/study/runner.py)."""
     from nshard.run import budget as budget_mod
     from nshard.run.cohort import start_model_spec
     from nshard.run.data import batch_schedule, prepare
@@ -69,7 +72,6 @@ def plan_budget(plan: Plan, plan_path: Path, out: Path, note) -> tuple[dict, dic
     from nshard.run.models import load_tokenizer, resolve_model
     from nshard.run.replay import replay_documents
     from nshard.seam.ds_config import load_ds_config
-    from nshard.study.runner import resolve_ds_config
 
     manifest = make_grown(plan, out, note)
     ref = resolve_model(start_model_spec(plan))
@@ -102,7 +104,7 @@ def plan_budget(plan: Plan, plan_path: Path, out: Path, note) -> tuple[dict, dic
                               "raise growth.train_flops or train.updates")
         tokens = budget_mod.update_tokens(lengths, batch_schedule(n_train, updates, t.global_batch_docs, plan.data.seed))
         path = Path(out) / "arm-plans" / f"{arm.name}.toml"
-        write_text_atomic(path, arm_plan_text(text, updates, budget, plan, plan_path))
+        write_text_atomic(path, arm_plan_text(text, updates, budget, plan, plan_path, resolve_ds_config))
         paths[arm.name] = path
         arms[arm.name] = {"grown": arm.grown, "updates": updates, "active_parameters_per_token": actives[arm.name],
                           "tokens": sum(tokens), "train_flops": budget_mod.flops(actives[arm.name], tokens),
@@ -121,7 +123,7 @@ def plan_budget(plan: Plan, plan_path: Path, out: Path, note) -> tuple[dict, dic
 
 
 def arm_plan_text(text: str, updates: int, budget: float, plan: Plan | None = None,
-                  plan_path: Path | None = None) -> str:
+                  plan_path: Path | None = None, resolve_ds_config=None) -> str:
     """The study's plan with [train] updates and [growth] train_flops set, and the paths it names made absolute
     (the arm's plan lies under the study directory, not beside the study's); the rest as written."""
     text, n = re.subn(r"(?m)^updates\s*=\s*\d+", f"updates = {updates}", text, count=1)
@@ -135,8 +137,6 @@ def arm_plan_text(text: str, updates: int, budget: float, plan: Plan | None = No
         raise GrowthError("a growth plan needs its [growth] section header on a line of its own")
     if plan is None:
         return text
-    from nshard.study.runner import resolve_ds_config
-
     resolved = {"from": lambda v: plan.cohort.from_study, "ds_config": lambda v: str(resolve_ds_config(v, plan_path)),
                 "replay_file": lambda v: plan.data.replay_file, "chat_train": lambda v: plan.data.chat_train,
                 "chat_heldout": lambda v: plan.data.chat_heldout, "hostfile": lambda v: plan.study.hostfile}

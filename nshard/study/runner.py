@@ -440,7 +440,7 @@ def run_owned(plan: Plan, plan_path: Path, out: Path, exploratory: bool) -> dict
     # A growth study: the candidate grown, the budget in numbers and each arm's plan, before any arm.
     arm_plans = {a.name: plan_path for a in plan.study.arms}
     if plan.growth.enabled:
-        study["growth"], grown_plans = growth_mod.plan_budget(plan, plan_path, out, say)
+        study["growth"], grown_plans = growth_mod.plan_budget(plan, plan_path, out, say, resolve_ds_config)
         arm_plans.update(grown_plans)
     study["placement"] = placement
     if not study["placement"]["comparable"]:
