@@ -66,6 +66,7 @@ def plan_budget(plan: Plan, plan_path: Path, out: Path, note, resolve_ds_config)
     tokenized here; each arm's plan is written with them. Returns (study.json's "growth", arm name -> plan path).
     resolve_ds_config(path, plan_path): where the study finds an arm's ds_config (nshard/study/runner.py)."""
     from nshard.run import budget as budget_mod
+    from nshard.run.chat import chat_data
     from nshard.run.cohort import start_model_spec
     from nshard.run.data import batch_schedule, prepare
     from nshard.run.device import run_placement
@@ -81,7 +82,8 @@ def plan_budget(plan: Plan, plan_path: Path, out: Path, note, resolve_ds_config)
     for arm in plan.study.arms:
         placement = run_placement(load_ds_config(resolve_ds_config(arm.ds_config, plan_path)))
         replay = replay_documents(plan, ref, tokenizer, placement) if arm.replay else []
-        docs, prepared, schedule, _, _ = prepare(plan, tokenizer, replay, with_replay=arm.replay)
+        chat = chat_data(plan, tokenizer) if plan.data.chat_train else None
+        docs, prepared, schedule, _, _ = prepare(plan, tokenizer, replay, with_replay=arm.replay, chat=chat)
         n_train = len(docs) - sum(1 for d in docs if d.kind == "heldout")
         inputs[arm.name] = ([len(p.input_ids) for p in prepared], n_train, schedule)
     actives = {arm.name: budget_mod.model_active_parameters(arm_model_dir(plan, out, arm.grown))
