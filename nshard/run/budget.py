@@ -15,6 +15,9 @@ from nshard.run.plan import PlanError
 
 FLOPS_PER_PARAMETER_TOKEN = 6
 """Forward (2) and backward (4) multiply-adds per parameter per token."""
+HOW = (f"{FLOPS_PER_PARAMETER_TOKEN} x active parameters per token x document tokens trained (padding not counted; "
+       "attention's sequence term and the router left out, alike for every arm)")
+"""The count, as records and reports state it."""
 
 
 class BudgetError(PlanError):
@@ -78,5 +81,4 @@ def check_schedule(budget: float, active: int, tokens: list[int]) -> dict:
                           "arm through python -m nshard.study, which sets each arm's updates from the budget, or "
                           "lower train.updates")
     return {"kind": "train_flops", "budget": budget, "spent": spent, "active_parameters_per_token": active,
-            "tokens": sum(tokens), "updates": len(tokens),
-            "how": f"{FLOPS_PER_PARAMETER_TOKEN} x active parameters per token x document tokens trained"}
+            "tokens": sum(tokens), "updates": len(tokens), "how": HOW}

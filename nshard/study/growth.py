@@ -78,14 +78,17 @@ def plan_budget(plan: Plan, plan_path: Path, out: Path, note, resolve_ds_config)
     ref = resolve_model(start_model_spec(plan))
     tokenizer = load_tokenizer(ref)
     g, t = plan.growth, plan.train
-    inputs = {}
+    chat = chat_data(plan, tokenizer) if plan.data.chat_train else None
+    inputs, made = {}, {}  # arms that replay alike on one placement share their inputs
     for arm in plan.study.arms:
         placement = run_placement(load_ds_config(resolve_ds_config(arm.ds_config, plan_path)))
-        replay = replay_documents(plan, ref, tokenizer, placement) if arm.replay else []
-        chat = chat_data(plan, tokenizer) if plan.data.chat_train else None
-        docs, prepared, schedule, _, _ = prepare(plan, tokenizer, replay, with_replay=arm.replay, chat=chat)
-        n_train = len(docs) - sum(1 for d in docs if d.kind == "heldout")
-        inputs[arm.name] = ([len(p.input_ids) for p in prepared], n_train, schedule)
+        key = (arm.replay, placement)
+        if key not in made:
+            replay = replay_documents(plan, ref, tokenizer, placement) if arm.replay else []
+            docs, prepared, schedule, _, _ = prepare(plan, tokenizer, replay, with_replay=arm.replay, chat=chat)
+            made[key] = ([len(p.input_ids) for p in prepared], len(docs) - sum(d.kind == "heldout" for d in docs),
+                         schedule)
+        inputs[arm.name] = made[key]
     actives = {arm.name: budget_mod.model_active_parameters(arm_model_dir(plan, out, arm.grown))
                for arm in plan.study.arms}
     dense = next(a for a in plan.study.arms if not a.grown)
@@ -113,10 +116,7 @@ def plan_budget(plan: Plan, plan_path: Path, out: Path, note, resolve_ds_config)
                           "plan": str(path), "plan_sha256": file_sha256(path)}
         note(f"budget: arm {arm.name} trains {updates} updates ({sum(tokens):,} tokens, "
              f"{arms[arm.name]['train_flops']:.4g} of {budget:.4g} FLOPs)")
-    record = {"budget": {"kind": g.budget, "train_flops": budget, "declared_as": declared,
-                         "how": f"{budget_mod.FLOPS_PER_PARAMETER_TOKEN} x active parameters per token x document "
-                                "tokens trained (padding not counted; attention's sequence term and the router left "
-                                "out, alike for every arm)"},
+    record = {"budget": {"kind": g.budget, "train_flops": budget, "declared_as": declared, "how": budget_mod.HOW},
               "arms": arms, "grown": {"model_dir": str(grown_dir(out)), "parameter_root": manifest["parameter_root"],
                                       "parameters": manifest["grown"]["parameters"],
                                       "active_parameters_per_token": manifest["grown"]["active_parameters_per_token"],
