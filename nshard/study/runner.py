@@ -508,13 +508,15 @@ def main(argv=None) -> int:
     from nshard.run.data import DataError
     from nshard.run.hostfile import HostfileError
     from nshard.seam.ds_config import DsConfigError
+    from nshard.study.serving import ServingError
     from nshard.study.validate import ValidationError
 
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     try:
         results = run_study(args.plan, args.out, args.exploratory)
     except (PlanError, DataError, DsConfigError, StudyError, CommitError, EvalError, ValidationError, HostfileError,
-            ArchiveError, placement_mod.PlacementError, lock.LockError, growth_mod.GrowthError, OSError) as exc:
+            ArchiveError, placement_mod.PlacementError, lock.LockError, growth_mod.GrowthError, ServingError,
+            OSError) as exc:
         print(f"nshard.study: error: {exc}", file=sys.stderr)
         return 2
     failed = [a["name"] for a in results["arms"] if a["status"] != "complete"]

@@ -25,6 +25,10 @@ from pathlib import Path
 from nshard.files import write_json_atomic
 
 
+class ServingError(RuntimeError):
+    """A serving measurement that did not finish; the message names the model and its last error line."""
+
+
 def export_bytes(model_dir: Path) -> int:
     from nshard.evidence.commit import model_files
 
@@ -96,8 +100,8 @@ def measure_all(models: dict[str, Path], run_dir: Path, out: Path, batch: int, n
                str(target), "--batch", str(batch), "--new_tokens", str(new_tokens), "--prompts", str(prompts)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
         if proc.returncode != 0:
-            raise RuntimeError(f"serving measurement of {label} failed (exit {proc.returncode}): "
-                               f"{proc.stderr.strip().splitlines()[-1:]}")
+            raise ServingError(f"serving measurement of {label} failed (exit {proc.returncode}): "
+                               f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
         results[label] = json.loads(target.read_text())
         target.unlink()
         r = results[label]
