@@ -1,40 +1,11 @@
-"""A growth study's screen and tables (docs/growth.md#the-growth-study): the grown candidate against continued dense
-training under one budget. Reads what nshard.analysis.report has gathered and the study's files only.
-
-The screen, declared in the plan before either arm runs:
-- a quality advantage over every continued-dense arm: the paired lower bound of the accuracy difference on all
-  fresh cases above screens.min_growth_paired_lower_points (0: more parameters alone do not pass);
-- the retention-change upper bound against the accepted checkpoint (this study's seed) below the screen;
-- the first cohort's families, paired against the accepted checkpoint, above screens.min_paired_lower_points.
-"""
+"""A growth study's table (docs/growth.md#the-growth-study): the grown candidate against continued dense training
+under one budget, what each arm cost to train and costs to serve. Reads what nshard.analysis.report has gathered
+and the study's serving.json only; the growth screen is nshard.analysis.report's growth_screen."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-
-
-def growth_screen(candidate: dict, comparisons: list[dict], cohort_quality: dict, screens: dict,
-                  growth: dict) -> dict:
-    """The conditions above; cohort_quality is the cohort screen's (its first-cohort and retention conditions)."""
-    if candidate["status"] != "complete":
-        return cohort_quality
-    conf = f"{screens['confidence']:.0%}"
-    dense = [name for name, arm in growth["arms"].items() if not arm["grown"]]
-    conds = []
-    for c in comparisons:
-        if c["control"] in dense:
-            conds.append({"name": f"paired {conf} lower bound vs {c['control']} (continued dense), points",
-                          "value": c["lower_points"], "threshold": screens["min_growth_paired_lower_points"],
-                          "rule": f"> {screens['min_growth_paired_lower_points']}",
-                          "passed": c["lower_points"] > screens["min_growth_paired_lower_points"]})
-    missing = [name for name in dense if name not in {c["control"] for c in comparisons}]
-    for name in missing:
-        conds.append({"name": f"paired lower bound vs {name} (continued dense)", "value": None, "passed": False,
-                      "rule": "the continued-dense arm must finish"})
-    conds += [c for c in cohort_quality["conditions"] if not c["name"].startswith("new-task accuracy gain")]
-    return {"passed": all(c["passed"] for c in conds), "conditions": conds,
-            "first_cohort_paired": cohort_quality.get("first_cohort_paired")}
 
 
 def read_serving(study_dir: Path) -> dict | None:

@@ -21,7 +21,7 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
-from nshard.analysis.growth import growth_screen, growth_table, read_serving
+from nshard.analysis.growth import growth_table, read_serving
 from nshard.analysis.paired import PairingError, cases_for_one_loss, mean_interval, paired_bounds
 from nshard.analysis.validated import NotValidated, check_validated
 from nshard.evidence.commit import CommitError, check_committed_as, files_sha256, load_commitment, model_files
@@ -357,6 +357,29 @@ def cohort_screen(candidate: dict, rows: list[dict], seed_rows: list[dict], firs
              condition(f"retention-change {conf:.0%} upper bound vs the accepted checkpoint, nats",
                        (candidate.get("retention") or {}).get("upper_nats"), screens["max_retention_upper_nats"], "<")]
     return {"passed": all(c["passed"] for c in conds), "conditions": conds, "first_cohort_paired": paired}
+
+
+def growth_screen(candidate: dict, comparisons: list[dict], cohort_quality: dict, screens: dict,
+                  growth: dict) -> dict:
+    """A growth study's quality screen, declared in the plan before either arm runs: a quality advantage over every
+    continued-dense arm (the paired lower bound on all fresh cases above screens.min_growth_paired_lower_points;
+    0: more parameters alone do not pass), and the cohort screen's first-cohort and retention conditions against
+    the accepted checkpoint (its new-task gain is reported, not screened)."""
+    if candidate["status"] != "complete":
+        return cohort_quality
+    conf = f"{screens['confidence']:.0%}"
+    paired = {c["control"]: c for c in comparisons}
+    conds = []
+    for name in (n for n, arm in growth["arms"].items() if not arm["grown"]):
+        if name in paired:
+            conds.append(condition(f"paired {conf} lower bound vs {name} (continued dense), points",
+                                   paired[name]["lower_points"], screens["min_growth_paired_lower_points"], ">"))
+        else:
+            conds.append({"name": f"paired lower bound vs {name} (continued dense)", "value": None, "passed": False,
+                          "rule": "the continued-dense arm must finish"})
+    conds += [c for c in cohort_quality["conditions"] if not c["name"].startswith("new-task accuracy gain")]
+    return {"passed": all(c["passed"] for c in conds), "conditions": conds,
+            "first_cohort_paired": cohort_quality.get("first_cohort_paired")}
 
 
 # ---------------------------------------------------------------- assembling

@@ -280,9 +280,8 @@ def write_record(record: Path, body: dict) -> None:
              "| trained tokens (distinct docs) | precision |" + (" paired vs control (discordant, lost), 99% interval |"
                                                                   if body.get("candidate_ds_config") else ""),
              "|---|---|---|---|---|---|---|---|---|" + ("---|" if body.get("candidate_ds_config") else "")]
-    def label(p):
-        both = body.get("candidate_ds_config") and body.get("confirm_both")
-        return f"{p['point']} (+{p['dev_seed_offset']})" if both else p["point"]
+    def label(p):  # a candidate sweep's points run on every development seed, one row each
+        return f"{p['point']} (+{p['dev_seed_offset']})" if body.get("candidate_ds_config") else p["point"]
 
     for p in body["points"]:
         if p["status"] == "complete":
@@ -302,7 +301,7 @@ def write_record(record: Path, body: dict) -> None:
               ("Chosen: none passed on every development seed" if body.get("candidate_ds_config")
                else "Chosen: none passed the retention bound"), ""]
     confirm = body.get("confirmation")
-    if confirm and not body.get("confirm_both"):
+    if confirm and not body.get("candidate_ds_config"):
         paired = confirm.get("paired")
         lines += [f"Second development seed (+{confirm['dev_seed_offset']}): `{confirm['point']}` "
                   + (f"{confirm['correct']} / {confirm['cases']}, gain {confirm['gain_points']:+.2f} points, retention "
@@ -423,8 +422,8 @@ def sweep_candidate(args, parser, plan, base_text: str, body: dict) -> int:
     offsets = (args.dev_seed_offset,) if args.confirm_offset is None else (args.dev_seed_offset, args.confirm_offset)
     seeds = " and ".join(f"+{o}" for o in offsets)
     body.update({"candidate_ds_config": args.candidate_ds_config, "control": str(args.control),
-                 "confirm_control": args.confirm_control and str(args.confirm_control), "confirm_both": True,
-                 "margin_points": margin, "max_lost": args.max_lost,
+                 "confirm_control": args.confirm_control and str(args.confirm_control), "margin_points": margin,
+                 "max_lost": args.max_lost,
                  "rule": (f"the fewest dense warm-up updates, then the lowest rank, among points with retention upper "
                           f"bound < {plan.screens.max_retention_upper_nats} nats and a paired {plan.screens.confidence:.0%}"
                           f" lower bound against the control > {margin} points"

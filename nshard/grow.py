@@ -22,6 +22,7 @@ import torch
 from nshard.evidence.commit import files_sha256, model_files
 from nshard.evidence.export import GROWN, MANIFEST, ManifestError, verify_manifest, write_manifest
 from nshard.files import file_sha256, staged_dir
+from nshard.run.plan import upcycling_problem
 from nshard.run.receipts import parameter_root
 
 CARRIED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -47,15 +48,10 @@ class Growth:
     """router_aux_loss_coef of the grown config: the weight of the load-balancing loss nshard adds in training."""
 
     def check(self) -> None:
-        if self.experts < 2:
-            raise GrowError(f"--experts {self.experts}: an upcycled model needs at least 2 experts per layer")
-        if not 1 <= self.top_k <= self.experts:
-            raise GrowError(f"--top_k {self.top_k}: choose 1 <= top_k <= experts ({self.experts})")
-        if not self.aux_coef >= 0:
-            raise GrowError(f"--aux_coef {self.aux_coef}: the load-balancing weight must be >= 0 (0: none)")
-        if not self.router_std > 0:
-            raise GrowError(f"--router_std {self.router_std}: a zero router ties every expert and routes all "
-                            "tokens to the first top_k (dead experts); give a positive std such as 0.02")
+        problem = upcycling_problem(**self.__dict__)
+        if problem:
+            key, text = problem
+            raise GrowError(f"--{key} {getattr(self, key)}: {text}")
 
 
 def source_export(source: Path) -> tuple[Path, dict]:

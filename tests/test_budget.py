@@ -65,7 +65,7 @@ def test_a_growth_plan_names_its_budget_its_grown_candidate_and_a_dense_arm():
         (lambda r: r["study"].update(candidate="dense"), "exactly one arm sets grown = true"),
         (lambda r: r["study"]["arms"][0].update(grown=True), "exactly one arm sets grown = true"),
         (lambda r: r.pop("growth"), "without a [growth] section"),
-        (lambda r: r["growth"].update(top_k=5), "growth.top_k=5"),
+        (lambda r: r["growth"].update(top_k=5), "growth.top_k=5: choose 1 <= top_k <= experts"),
         (lambda r: r["growth"].update(train_flops=-1.0), "growth.train_flops=-1.0"),
     ]:
         raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in GROWTH.items()}

@@ -345,7 +345,6 @@ class GrowthSection:
         return {k: getattr(self, k) for k in ("experts", "top_k", "seed", "router_std", "aux_coef")}
 
 
-
 @dataclass(frozen=True)
 class OutputSection:
     dir: str = ""
@@ -407,13 +406,25 @@ def check_growth(plan: "Plan") -> None:
                         f"candidate: {plan.study.candidate!r})")
     if len(plan.study.arms) < 2:
         raise PlanError("[growth]: add an arm without grown, the accepted candidate continued dense, to compare with")
-    g = plan.growth
-    if g.experts < 2 or not 1 <= g.top_k <= g.experts:
-        raise PlanError(f"growth.experts={g.experts}, growth.top_k={g.top_k}: give at least 2 experts and "
-                        "1 <= top_k <= experts")
-    if not g.router_std > 0 or not g.aux_coef >= 0:
-        raise PlanError(f"growth.router_std={g.router_std}, growth.aux_coef={g.aux_coef}: the router's std must be "
-                        "positive (a zero router leaves experts dead) and the load-balancing weight >= 0")
+    problem = upcycling_problem(**plan.growth.settings())
+    if problem:
+        key, text = problem
+        raise PlanError(f"growth.{key}={getattr(plan.growth, key)}: {text}")
+
+
+def upcycling_problem(experts: int, top_k: int, seed: int, router_std: float, aux_coef: float) -> tuple[str, str] | None:
+    """The first upcycling setting that cannot work, as (key, what to do), or None; the plan's [growth] and
+    python -m nshard.grow both refuse by it."""
+    if experts < 2:
+        return "experts", "an upcycled model needs at least 2 experts per layer"
+    if not 1 <= top_k <= experts:
+        return "top_k", f"choose 1 <= top_k <= experts ({experts})"
+    if not aux_coef >= 0:
+        return "aux_coef", "the load-balancing weight must be >= 0 (0: none)"
+    if not router_std > 0:
+        return "router_std", ("a zero router ties every expert and routes all tokens to the first top_k (dead "
+                              "experts); give a positive std such as 0.02")
+    return None
 
 
 def load_plan(path: str | Path) -> Plan:

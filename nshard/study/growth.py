@@ -22,37 +22,31 @@ def grown_dir(out: Path) -> Path:
 
 
 def make_grown(plan: Plan, out: Path, note) -> dict:
-    """STUDY/grown: grown now, or an earlier one reused when it is what these settings make of this candidate
-    (its manifest verifies, its settings are the plan's, its provenance names the accepted candidate)."""
-    from nshard.evidence.export import ManifestError, verify_manifest
-    from nshard.grow import GrowError, grow
-    from nshard.run.start import accepted_export
-
-    from nshard.grow import Growth
+    """STUDY/grown: grown now, or an earlier one reused when it is what these settings make of this candidate.
+    Either way it is checked as the grown arm's trainer checks it (nshard/run/start.py grown_start: its manifest
+    verifies and its provenance names the accepted candidate); returns that check's record of it."""
+    from nshard.grow import GrowError, Growth, grow
+    from nshard.run.cohort import CohortError
+    from nshard.run.start import find_start, grown_start
 
     target, settings = grown_dir(out), Growth(**plan.growth.settings())
-    _, provenance = accepted_export(plan.cohort.from_study)
-    if target.exists():
+    point = find_start(plan, 0)  # start = "weights": no rank count to match
+    if not target.exists():
         try:
-            manifest = verify_manifest(target)
-        except ManifestError as exc:
-            raise GrowthError(f"{target}: an earlier grown export does not match its manifest ({exc}); move it "
-                              "aside and run the study again") from None
-        grown = manifest.get("grown") or {}
-        if grown.get("growth") != settings.__dict__ or grown.get("source", {}).get("parameter_root") != \
-                provenance["parameter_root"]:
-            raise GrowthError(f"{target} was grown with other settings or from another candidate than this plan's "
-                              "[growth] and cohort.from; move it aside and run the study again")
-        note(f"grown export {target} reused (parameter root {manifest['parameter_root'][:16]})")
-        return manifest
+            grow(Path(plan.cohort.from_study), target, settings)
+        except GrowError as exc:
+            raise GrowthError(str(exc)) from None
+        note(f"grew {point.provenance['candidate']} into {target}: {settings.experts} experts, top {settings.top_k}")
     try:
-        manifest = grow(Path(plan.cohort.from_study), target, settings)
-    except GrowError as exc:
-        raise GrowthError(str(exc)) from None
-    note(f"grew {provenance['candidate']} into {target}: {settings.experts} experts, "
-         f"top {settings.top_k}, {manifest['grown']['parameters']:,} parameters "
-         f"({manifest['grown']['active_parameters_per_token']:,} per token)")
-    return manifest
+        grown = grown_start(point, target).provenance["grown"]
+    except CohortError as exc:
+        raise GrowthError(f"{exc}; move {target} aside and run the study again") from None
+    if grown["growth"] != settings.__dict__:
+        raise GrowthError(f"{target} was grown with other settings than this plan's [growth] ({grown['growth']}); "
+                          "move it aside and run the study again")
+    note(f"grown export {target}: {grown['parameters']:,} parameters ({grown['active_parameters_per_token']:,} per "
+         f"token), parameter root {grown['parameter_root'][:16]}")
+    return grown
 
 
 def arm_model_dir(plan: Plan, out: Path, grown: bool) -> Path:
@@ -74,7 +68,7 @@ def plan_budget(plan: Plan, plan_path: Path, out: Path, note, resolve_ds_config)
     from nshard.run.replay import replay_documents
     from nshard.seam.ds_config import load_ds_config
 
-    manifest = make_grown(plan, out, note)
+    grown = make_grown(plan, out, note)
     ref = resolve_model(start_model_spec(plan))
     tokenizer = load_tokenizer(ref)
     g, t = plan.growth, plan.train
@@ -117,10 +111,8 @@ def plan_budget(plan: Plan, plan_path: Path, out: Path, note, resolve_ds_config)
         note(f"budget: arm {arm.name} trains {updates} updates ({sum(tokens):,} tokens, "
              f"{arms[arm.name]['train_flops']:.4g} of {budget:.4g} FLOPs)")
     record = {"budget": {"kind": g.budget, "train_flops": budget, "declared_as": declared, "how": budget_mod.HOW},
-              "arms": arms, "grown": {"model_dir": str(grown_dir(out)), "parameter_root": manifest["parameter_root"],
-                                      "parameters": manifest["grown"]["parameters"],
-                                      "active_parameters_per_token": manifest["grown"]["active_parameters_per_token"],
-                                      "growth": manifest["grown"]["growth"]}}
+              "arms": arms, "grown": {k: grown[k] for k in ("model_dir", "parameter_root", "parameters",
+                                                            "active_parameters_per_token", "growth")}}
     return record, paths
 
 
