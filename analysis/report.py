@@ -283,11 +283,16 @@ def speed_screen(arms: list[dict], candidate: str, baseline: str, screens: dict,
     value = speedups.get(candidate, {}).get("complete_process")
     conds = [condition(f"complete-process speedup of {candidate} over {baseline}", value,
                        screens["min_speedup"], ">=")]
+    why = None
     if placement is not None and not placement.get("comparable", True):
+        why = placement.get("why")
+    elif baseline == candidate:  # a second cohort: replay against no replay, on one reduction; no ratio to screen
+        why = (f"the candidate {candidate} is its own speed baseline (study.speed_baseline): its arms differ by their "
+               f"data, not their reduction, and the first study screened the reduction's speed")
+    if why is not None:
         for c in conds:
             c["passed"] = None
-        return {"passed": None, "comparable": False, "why": placement.get("why"), "conditions": conds,
-                "speedups": speedups}
+        return {"passed": None, "comparable": False, "why": why, "conditions": conds, "speedups": speedups}
     return {"passed": conds[0]["passed"], "comparable": True, "conditions": conds, "speedups": speedups}
 
 

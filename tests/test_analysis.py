@@ -390,6 +390,17 @@ def test_a_placement_that_cannot_time_the_arms_makes_the_speed_screen_not_compar
     assert "Speed screen: **NOT COMPARABLE**" in report and why in report and "- NOT COMPARABLE: complete-process" in report
 
 
+def test_a_candidate_that_is_its_own_speed_baseline_has_no_speed_screen(tmp_path):
+    """A second cohort names its candidate as the speed baseline: no ratio of an arm to itself fails (or passes)."""
+    root = make_study(tmp_path, candidate_correct=60, retention_shift=0.0, candidate_process_s=95.0)
+    study = json.loads((root / "study.json").read_text())
+    (root / "study.json").write_text(json.dumps({**study, "speed_baseline": "powersgd"}))
+    speed = write_outputs(root)["screens"]["speed"]
+    assert speed["passed"] is None and speed["comparable"] is False and "its own speed baseline" in speed["why"]
+    assert speed["conditions"][0]["passed"] is None and "powersgd" not in speed["speedups"]
+    assert "Speed screen: **NOT COMPARABLE**" in (root / "report.md").read_text()
+
+
 def hostfile_placement(tmp_path: Path, lines: str, cuda: bool = False) -> dict:
     """nshard.study.placement.describe for the default arms (one rank, two ranks dense, two ranks PowerSGD) with a
     study.hostfile of these lines, or with none and local GPUs (lines="")."""
