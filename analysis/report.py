@@ -743,7 +743,9 @@ def _save(fig, path: Path) -> Path:
     tmp = path.with_name(path.stem + ".tmp.png")
     fig.tight_layout()
     fig.savefig(tmp, dpi=110)
-    fig.clf()
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)  # pyplot keeps every figure it made until closed
     tmp.replace(path)
     return path
 

@@ -35,18 +35,24 @@ class Step:
     """A training step's run directory (its receipts are summarized)."""
 
 
-def write_inputs(out: Path) -> dict[str, Path]:
-    """The ds_configs and plan the steps use, derived from the shipped ones and written into out/inputs."""
+def write_inputs(out: Path, model: str | None = None) -> dict[str, Path]:
+    """The ds_configs and plan the steps use, derived from the shipped ones and written into out/inputs; with `model`,
+    the plan's model spec replaced by it (a GPU host that cannot hold the embedded model's GGUF: "tiny")."""
     inputs = out / "inputs"
     inputs.mkdir(parents=True, exist_ok=True)
+    plan_text = PLAN.read_text()
+    if model is not None:
+        plan_text = plan_text.replace('spec = "embedded"', f"spec = {json.dumps(model)}", 1)
+        (inputs / "plan.toml").write_text(plan_text)
     dense = json.loads((REPO / "ds_configs/dense.json").read_text())
     powersgd = json.loads((REPO / "ds_configs/powersgd.json").read_text())
     powersgd["nshard"]["dense_warmup_updates"] = 2
     paths = {"fp32": REPO / "ds_configs/dense.json", "bf16": inputs / "dense-bf16.json",
-             "powersgd": inputs / "powersgd-warmup2.json", "plan": PLAN, "deterministic": inputs / "deterministic.toml"}
+             "powersgd": inputs / "powersgd-warmup2.json", "plan": PLAN if model is None else inputs / "plan.toml",
+             "deterministic": inputs / "deterministic.toml"}
     paths["bf16"].write_text(json.dumps({**dense, "bf16": {"enabled": True}}, indent=2))
     paths["powersgd"].write_text(json.dumps(powersgd, indent=2))
-    paths["deterministic"].write_text(PLAN.read_text().replace('name = "gpu-check"', 'name = "gpu-check-deterministic"')
+    paths["deterministic"].write_text(plan_text.replace('name = "gpu-check"', 'name = "gpu-check-deterministic"')
                                       + "\n[checkpoint]\ndeterministic_cuda = true\n")
     return paths
 
@@ -57,7 +63,7 @@ def steps(out: Path, inputs: dict[str, Path]) -> list[Step]:
     py = sys.executable
     deepspeed = str(Path(py).with_name("deepspeed"))
 
-    def train(name: str, ds_config: Path, plan: Path = PLAN) -> Step:
+    def train(name: str, ds_config: Path, plan: Path = inputs["plan"]) -> Step:
         run_dir = out / name
         return Step(name, [deepspeed, "--num_gpus", "1", "--master_port", str(free_port()), str(REPO / "nshard/train.py"),
                            "--ds_config", str(ds_config), "--plan", str(plan), "--out", str(run_dir), "--overwrite"],
@@ -153,12 +159,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "gpu-check", help="directory for runs and logs")
     parser.add_argument("--dry-run", action="store_true", help="list and check every step; run nothing on a GPU")
+    parser.add_argument("--budget_s", type=int, default=BUDGET_S, help="seconds for all steps (default 600)")
+    parser.add_argument("--model", help="the training steps' model spec instead of the plan's embedded model (tiny, a "
+                                        "local directory, a hub id): for a host that cannot install the embedded one")
     args = parser.parse_args(argv)
     logs = args.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    inputs = write_inputs(args.out)
+    inputs = write_inputs(args.out, args.model)
     plan = steps(args.out, inputs)
-    summary = {"dry_run": args.dry_run, "budget_s": BUDGET_S, "out": str(args.out), "steps": {}}
+    summary = {"dry_run": args.dry_run, "budget_s": args.budget_s, "out": str(args.out), "model": args.model or "embedded",
+               "steps": {}}
     if args.dry_run:
         summary["checked_inputs"] = check_inputs(inputs)
         summary["cuda_tests"] = listed_cuda_tests()
@@ -169,7 +179,7 @@ def main(argv=None) -> int:
             summary["steps"][step.name] = {"status": "dry-run: listed, not run", "command": step.command,
                                            "env": step.env, "timeout_s": step.timeout_s}
             continue
-        result = run_step(step, logs, BUDGET_S - (time.perf_counter() - began))
+        result = run_step(step, logs, args.budget_s - (time.perf_counter() - began))
         if step.run_dir is not None and result["status"] == "ok":
             result["receipt"] = receipt_summary(step.run_dir)
         summary["steps"][step.name] = result

@@ -3,7 +3,8 @@
 # NSHARD_TORCH_INDEX=https://download.pytorch.org/whl/cu128 takes torch 2.13.0 from that index, and a torch
 # already in .venv is kept unless that index is given and it has no CUDA), then the package,
 # the embedded model's GGUF, Open MPI for the mpi4py transport, and openssh-server + pdsh for the
-# emulated hosts (launch/hosts.sh). Safe to run again.
+# emulated hosts (launch/hosts.sh); last, the embedded model converted and DeepSpeed's CPU collective compiled.
+# Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -38,4 +39,9 @@ if ! system_packages; then
     echo "setup: install openmpi-bin (mpi4py transport), openssh-server and pdsh (launch/hosts.sh) as root" >&2
   fi
 fi
+# One-time work that every run on this machine would otherwise pay inside its first launch: the embedded model
+# converted from its GGUF to a safetensors directory, and (without CUDA) DeepSpeed's CPU collective compiled.
+# Both land in caches (~/.cache/nshard, torch's extension directory) that later runs find; a run that finds them
+# missing builds them itself.
+.venv/bin/python -c 'import nshard.run.models as m, nshard.seam.engine as e; m.resolve_model("embedded"); e.prebuild_cpu_collective()'
 echo "$want" > "$stamp"

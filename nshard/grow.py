@@ -100,8 +100,10 @@ def mixtral_config(llama, growth: Growth):
 
 def upcycled_state(dense: dict[str, torch.Tensor], n_layers: int, growth: Growth, hidden: int) -> dict:
     """Mixtral tensors from Llama tensors: each layer's MLP copied into every expert (gate_up_proj [E, 2I, H] is
-    gate then up, as Mixtral chunks it; down_proj [E, H, I]), a seeded N(0, router_std) router; the rest as is."""
+    gate then up, as Mixtral chunks it; down_proj [E, H, I]), a seeded N(0, router_std) router (drawn in fp32,
+    stored in the source's dtype); the rest as is."""
     state, generator = {}, torch.Generator().manual_seed(growth.seed)
+    dtype = next(iter(dense.values())).dtype
     mlp = {f"model.layers.{i}.mlp.{p}_proj.weight" for i in range(n_layers) for p in ("gate", "up", "down")}
     for name, tensor in dense.items():
         if name not in mlp:
@@ -112,24 +114,28 @@ def upcycled_state(dense: dict[str, torch.Tensor], n_layers: int, growth: Growth
         state[f"{prefix}experts.gate_up_proj"] = torch.cat([gate, up]).unsqueeze(0).repeat(growth.experts, 1, 1)
         state[f"{prefix}experts.down_proj"] = down.unsqueeze(0).repeat(growth.experts, 1, 1)
         router = torch.empty(growth.experts, hidden).normal_(0.0, growth.router_std, generator=generator)
-        state[f"{prefix}gate.weight"] = router
+        state[f"{prefix}gate.weight"] = router.to(dtype)
     return state
 
 
 def upcycle(model_dir: Path, growth: Growth):
-    """The grown MixtralForCausalLM (fp32) and its tokenizer, from a Llama transformers directory."""
+    """The grown MixtralForCausalLM and its tokenizer, from a Llama transformers directory, in the dtype the source's
+    weights are stored in: a bf16-trained export grows into bf16 tensors, so the trainer, which computes in the
+    candidate's precision, holds exactly the grown weights and their parameter root (an fp32 router would be
+    rounded when a bf16 engine takes the model, and the root the arm checks would differ)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, MixtralForCausalLM
 
     growth.check()
     llama_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     config = mixtral_config(llama_config, growth)
-    dense = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+    dtype = stored_dtype(model_dir)
+    dense = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
     tensors = dict(dense.state_dict())
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     state = upcycled_state(tensors, config.num_hidden_layers, growth, config.hidden_size)
     torch.manual_seed(growth.seed)  # transformers' own init of the tensors load_state_dict then replaces
-    grown = MixtralForCausalLM(config).to(torch.float32)
+    grown = MixtralForCausalLM(config).to(dtype)
     missing, unexpected = grown.load_state_dict(state, strict=False)
     allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if unexpected or set(missing) - allowed_missing:
@@ -138,6 +144,18 @@ def upcycle(model_dir: Path, growth: Growth):
     if config.tie_word_embeddings:
         grown.tie_weights()
     return grown.eval(), AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def stored_dtype(model_dir: Path) -> torch.dtype:
+    """The one floating dtype of a transformers directory's safetensors weights (fp32 where they mix dtypes)."""
+    from safetensors import safe_open
+
+    dtypes = set()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            dtypes |= {f.get_slice(key).get_dtype() for key in f.keys()}
+    by_name = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    return by_name.get(dtypes.pop(), torch.float32) if len(dtypes) == 1 else torch.float32
 
 
 def parameter_counts(model, growth: Growth) -> dict:

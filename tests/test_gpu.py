@@ -195,6 +195,20 @@ def test_gpu_receipts_keep_each_updates_peaks_and_the_max_per_phase():
     assert Receipt.from_state_dict(receipt.state_dict()).gpu_phases == receipt.gpu_phases  # survives a resume
 
 
+def test_a_process_started_by_a_large_one_reports_its_own_peak_resident_set():
+    """A serving measurement (or a rank) is started by a larger process; its peak must be its own. ru_maxrss keeps
+    the parent's resident set at fork across exec (the growth study's serving table once gave both arms the study
+    process's 2.90 GiB); receipts.peak_rss_bytes reads the exec'd address space's high-water mark."""
+    held = bytearray(1 << 30)  # 1 GiB resident in this process while it starts the child
+    held[:: 4096] = b"x" * len(held[:: 4096])
+    child = subprocess.run([sys.executable, "-c", "import resource; from nshard.run.receipts import peak_rss_bytes; "
+                            "print(peak_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"],
+                           capture_output=True, text=True, check=True, cwd=REPO)
+    own, inherited = map(int, child.stdout.split())
+    del held
+    assert own < (1 << 30) // 2, (own, inherited)  # ru_maxrss (inherited) says >= 1 GiB on Linux
+
+
 def test_memory_model_sets_a_gpu_run_against_its_allocated_peak():
     sys.path.insert(0, str(REPO))
     from nshard.analysis.memory_model import measured_bytes

@@ -114,3 +114,30 @@ def test_bad_settings_are_refused_by_name(dense, tmp_path, args, names):
 def test_a_source_that_is_no_run_nor_study_is_refused(tmp_path):
     proc = grow(tmp_path, tmp_path / "out", check=False)
     assert proc.returncode == 2 and "neither a study directory" in proc.stderr, proc.stderr
+
+
+def test_a_bf16_export_grows_in_bf16_so_a_bf16_engine_holds_the_grown_root(tmp_path):
+    """A main job that computes in bf16 exports bf16 weights. Grown into fp32, its router would be rounded when the
+    grown arm's bf16 engine takes the model, and the arm's start check (the loaded root against the grown export's)
+    would fail, as the first embedded growth study did (docs/growth.md). Grown in the source's dtype, the model
+    the trainer loads (fp32, then cast to bf16 as DeepSpeed's bf16 engine casts it) hashes to the grown root."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nshard.grow import Growth, upcycle
+    from nshard.run.models import ModelRef, load_model, resolve_model
+    from nshard.run.receipts import parameter_root
+
+    tiny = resolve_model("tiny")
+    source = tmp_path / "bf16-export"
+    AutoModelForCausalLM.from_pretrained(tiny.path, dtype=torch.bfloat16).save_pretrained(source)
+    AutoTokenizer.from_pretrained(tiny.path).save_pretrained(source)
+    grown, tokenizer = upcycle(source, Growth(experts=4, top_k=2, seed=3))
+    assert {p.dtype for p in grown.parameters()} == {torch.bfloat16}
+    assert grown.config.tie_word_embeddings and grown.lm_head.weight is grown.model.embed_tokens.weight
+    grown.save_pretrained(tmp_path / "grown")
+    loaded = load_model(ModelRef(str(tmp_path / "grown"), str(tmp_path / "grown"), None, "local")).to(torch.bfloat16)
+    assert parameter_root(loaded.named_parameters()) == parameter_root(grown.named_parameters())
+    # The router is the same draw as an fp32 growth's, rounded once.
+    fp32, _ = upcycle(tiny.path, Growth(experts=4, top_k=2, seed=3))
+    router = "model.layers.0.mlp.gate.weight"
+    assert torch.equal(dict(grown.named_parameters())[router], dict(fp32.named_parameters())[router].bfloat16())

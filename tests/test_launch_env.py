@@ -76,3 +76,23 @@ def test_a_process_whose_path_finds_another_ninja_builds_nothing_again():
     before = os.stat(built).st_mtime_ns
     assert build(system) == []
     assert os.stat(built).st_mtime_ns == before
+
+
+def test_a_cuda_arch_list_with_hopper_suffixes_reaches_deepspeeds_builder_plain(monkeypatch):
+    """CUDA images for Hopper set TORCH_CUDA_ARCH_LIST entries such as "9.0a", which DeepSpeed 0.19.8's JIT builder
+    cannot sort (int("0a")): FusedAdam failed so on an H200. A launched rank's environment takes the plain
+    architectures, which the builder takes (no GPU is needed: in JIT mode it writes the list back for torch to emit
+    its -gencode flags from)."""
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    from nshard.seam.launch_env import prepare_process_env
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a 10.0a+PTX")
+    builder = FusedAdamBuilder()
+    builder.jit_mode = True
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        builder.compute_capability_args()
+    prepare_process_env()
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0 10.0+PTX"
+    assert builder.compute_capability_args() == []
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0;10.0+PTX"

@@ -132,10 +132,13 @@ def test_bench_precision_times_fp32_bf16_and_autocast_in_one_run(tmp_path):
 
 def test_bench_generate_times_fp32_and_bf16_scoring_on_the_tiny_model():
     proc = script("launch.bench_generate", "--model", "tiny", "--plan", "launch/plans/tiny.toml", "--cases", "8",
-                  "--max-new-tokens", "4", "--cores", "2")
+                  "--max-new-tokens", "4", "--cores", "2", "--decoders", "greedy,hf")
     body = json.loads(proc.stdout)
-    assert set(body["settings"]) == {"float32 1x2", "float32 2x1", "bfloat16 1x2", "bfloat16 2x1"}
+    assert set(body["settings"]) == {f"{d} {m} {p}" for d in ("float32", "bfloat16") for m in ("greedy", "hf")
+                                     for p in ("1x2", "2x1")}
     assert all(s["cases"] == 8 and s["per_model_s"] > 0 for s in body["settings"].values())
     # Two processes with the same settings give the same token ids (what validation's regeneration relies on).
-    assert body["identical_token_ids"]["bfloat16 2x1: every process"]
-    assert body["identical_token_ids"]["float32 2x1: every process"]
+    assert body["identical_token_ids"]["bfloat16 greedy 2x1: every process"]
+    assert body["identical_token_ids"]["float32 greedy 2x1: every process"]
+    cut, full = (body["settings"][f"float32 {m} 1x2"]["new_tokens"] for m in ("greedy", "hf"))
+    assert 0 < cut <= full  # transformers' generate never cuts an answer

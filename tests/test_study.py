@@ -106,6 +106,15 @@ def test_the_study_writes_its_outputs_and_reports_the_failed_arm(study):
     # The commitment was written before any score: every evaluation names it.
     for label in ("seed", "one-rank", "dense", "powersgd"):
         assert json.loads((out / "eval" / label / "summary.json").read_text())["commitment"] == record["record_sha256"]
+    # The tiny study's scoring is too small to be worth a process per core (tests/test_generate.py runs scoring and
+    # regeneration side by side); validation regenerates each model's answers at the thread count scoring had.
+    from nshard.study.evaluate import side_by_side_layout
+
+    assert side_by_side_layout(16, 4, 12, cuda=False)[0] == 1 and "scoring 4 models in" not in stdout
+    regenerated = json.loads((out / "validation.json").read_text())["evaluations"]
+    for label in ("seed", "one-rank", "dense", "powersgd"):
+        summary = json.loads((out / "eval" / label / "summary.json").read_text())
+        assert summary["processes"] == 1 and regenerated[label]["regenerated"]["threads"] == summary["threads"]
 
 
 # ---------------------------------------------------------------- a second cohort from this study
@@ -693,7 +702,8 @@ def test_one_forged_retention_loss_fails_validation_and_the_report(study, tmp_pa
     done = {a: study["out"] / "arms" / a for a in ("one-rank", "dense", "powersgd")}
     evals = {name: copy / "eval" / name for name in ("seed", *done)}
     with pytest.raises(ValidationError):
-        validate_scores(load_plan(study["plan"]), study["plan"], copy, done, evals, record, tiny_tokenizer())
+        validate_scores(load_plan(study["plan"]), dict.fromkeys(done, study["plan"]), copy, done, evals, record,
+                        tiny_tokenizer())
     assert json.loads((copy / "validation.json").read_text())["passed"] is False
     report = subprocess.run([sys.executable, "-m", "nshard.analysis.report", str(copy)], cwd=REPO, capture_output=True,
                             text=True, timeout=300)
@@ -892,6 +902,21 @@ def test_a_tiny_growth_study_grows_the_accepted_candidate_and_trains_both_arms_w
                for s in serving.values())
     report = (out / "report.md").read_text()
     assert "## Growth" in report and "| Updates within the budget |" in report
+    # Had the grown candidate failed, the study validates on the arm that finished, against that arm's own plan (the
+    # embedded growth study once took the candidate's plan with the dense arm's run, and stopped there).
+    from nshard.run.cohort import start_model_spec
+    from nshard.run.plan import load_plan
+    from nshard.study.runner import score_all, validate_scores
+
+    copy, plan = tmp_path / "dense-only", load_plan(out / "plan.toml")
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns("arms", "grown", "logs", "evidence.tar*"))
+    done, record = {"dense": out / "arms" / "dense"}, load_commitment(out / "commitment.json")
+    # Scores made on the candidate's sets are not reused for another reference arm (the prepared identities of a
+    # growth study's arms differ: their schedules are cut to the budget).
+    evals = score_all(plan, copy, Path(resolve_model(start_model_spec(plan)).path), done, record)
+    assert json.loads((evals["dense"] / "summary.json").read_text())["run_dir"] == str(done["dense"])
+    arm_plans = {name: out / "arm-plans" / f"{name}.toml" for name in ("dense", "grown")}
+    assert validate_scores(plan, arm_plans, copy, done, evals, record, tiny_tokenizer())["passed"]
     # A schedule past the budget is refused by the trainer itself, before it writes anything.
     over = tmp_path / "over.toml"
     over.write_text(re.sub(r"(?m)^updates = \d+", f"updates = {dense['updates']}", (out / "arm-plans/grown.toml").read_text()))

@@ -234,3 +234,49 @@ def test_overlap_check_catches_a_shared_prompt(monkeypatch):
                         lambda seed, index: tasks.base.new_case("sorting", seed, index, fixed))
     with pytest.raises(ValueError, match="repeats the prompt"):
         split_cases(["sorting"], 0, 1, 5, 5)
+
+
+def replies(case: Case, rng) -> list[str]:
+    """The right answer as a model may write it (spaces, a period, a newline after) and near misses of it."""
+    right = tasks.answer(case)
+    out = [right, f" {right}", f"{right}.", f"{right} .\n", f"\n{right}\n\n", f"{right}. More text", f"{right}!",
+           f"{right}{right}", right[:-1], f"{right[:-1]}x", f"The answer is {right}", "", " ", ".", f"{right},"]
+    for _ in range(20):  # one character changed, dropped or added somewhere
+        k = rng.randrange(len(right) + 1)
+        c = rng.choice("0123456789, .abcXYZ\n")
+        out += [right[:k] + c + right[k + 1:], right[:k] + right[k + 1:], right[:k] + c + right[k:]]
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_an_answer_is_cut_only_once_no_continuation_can_score_right(family):
+    """Scoring stops generating an answer once could_still_score says no continuation can be right (evaluate.
+    greedy_batch): for every reply and every prefix of it, a prefix said to be hopeless must belong to a reply that
+    scores wrong, and every prefix of a reply that scores right must still be possible. This holds each family to
+    exact_match: a family scored otherwise fails here until it gets its own rule."""
+    import random
+
+    rng = random.Random(7)
+    module = FAMILIES[family]
+    cut = kept = 0
+    for case in make_cases(family, 5, 0, 25):
+        for reply in replies(case, rng):
+            right = tasks.score(case, reply)
+            for k in range(len(reply) + 1):
+                possible = tasks.could_still_score(case, reply[:k])
+                assert possible or not right, (case.case_id, reply, k)
+                cut += not possible
+                kept += possible
+            # Once hopeless, always hopeless: no longer prefix of the same reply is possible again.
+            flags = [tasks.could_still_score(case, reply[:k]) for k in range(len(reply) + 1)]
+            assert flags == sorted(flags, reverse=True), (case.case_id, reply)
+        assert module.score(case, f" {tasks.answer(case)}.\n")
+    assert cut > 0 and kept > 0
+
+
+def test_own_answers_forgive_whitespace_only():
+    from nshard.tasks.base import could_still_match
+
+    assert could_still_match("B12", " B1", period=False) and could_still_match("B12", "B12 \n", period=False)
+    assert not could_still_match("B12", "B12.", period=False) and could_still_match("B12", "B12.")
+    assert not could_still_match("B12", "B13", period=False) and not could_still_match("B12", "B12 x", period=False)

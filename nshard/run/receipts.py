@@ -51,10 +51,23 @@ def parameter_root(named_params) -> str:
     return h.hexdigest()
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set since it started its program. Linux's VmHWM belongs to the address space
+    that exec made; ru_maxrss does not: exec keeps the larger of the parent's resident set at fork and its own, so
+    a small process started by a large one (a serving measurement started by the study) reports the parent's."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux; the fallback elsewhere
+
+
 def peak_memory_bytes(gpu_phases: dict) -> dict:
-    """The process's peak resident set (ru_maxrss is KiB on Linux) and, on a GPU, the peak allocated and reserved
-    GPU memory over the phases (GpuPeaks resets the peaks at each one), with each phase's own peaks."""
-    out = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    """The process's peak resident set (peak_rss_bytes) and, on a GPU, the peak allocated and reserved GPU memory
+    over the phases (GpuPeaks resets the peaks at each one), with each phase's own peaks."""
+    out = {"peak_rss_bytes": peak_rss_bytes()}
     if gpu_phases:
         for key in GpuPeaks.KEYS:
             out[key] = max(phase[key] for phase in gpu_phases.values())

@@ -240,6 +240,9 @@ def weights_record(engine, point: StartPoint) -> dict:
     roots = all_ranks(root)
     expected = point.provenance.get("export_root", point.provenance["parameter_root"])
     if set(roots) != {expected}:
+        held = sorted({str(p.dtype).removeprefix("torch.") for p in engine.module.parameters()})
         raise StartError(f"{point.model_dir}: the loaded weights have parameter roots {[r[:16] for r in roots]}, not "
-                         f"the committed {expected[:16]}")
+                         f"the committed {expected[:16]} (the engine holds them in {', '.join(held)}: an arm that "
+                         "computes in another precision than its start was exported in rounds it; train the arm in "
+                         "the candidate's precision)")
     return {"kind": "weights", "parameter_root": root}

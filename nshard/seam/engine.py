@@ -76,6 +76,12 @@ def build_cpu_comm_extension() -> None:
         ShareMemCommBuilder().load(verbose=False)
 
 
+def prebuild_cpu_collective() -> None:
+    """build_cpu_comm_extension where there is no GPU (launch/setup.sh: once per machine, before any run)."""
+    if not torch.cuda.is_available():
+        build_cpu_comm_extension()
+
+
 @contextlib.contextmanager
 def _noting_a_build():
     """Note (nshard.files.note_one_time_work) when DeepSpeed's CPU collective was compiled inside the block: its

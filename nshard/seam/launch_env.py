@@ -48,11 +48,25 @@ def pin_ninja() -> str | None:
     return str(ninja)
 
 
+def plain_cuda_arch_list(value: str) -> str:
+    """TORCH_CUDA_ARCH_LIST without architecture-specific suffixes ("9.0a" -> "9.0", "10.0a+PTX" -> "10.0+PTX").
+
+    DeepSpeed 0.19.8's JIT op builder sorts the list by int() of each part, so an entry such as "9.0a" (what CUDA
+    images for Hopper set) stops it with "invalid literal for int() with base 10: '0a'" before it compiles anything:
+    seen on an H200 with `"optimizer": {"type": "AdamW"}` (FusedAdam, docs/gpu.md). The ops DeepSpeed builds use no
+    architecture-specific instructions, so the plain architecture builds them."""
+    import re
+
+    return re.sub(r"(\d+\.\d+)[a-z]+", r"\1", value)
+
+
 def prepare_process_env() -> None:
     """Fix what the launchers leave unset, before torch starts any thread pool."""
     env = os.environ
     env["TORCH_EXTENSIONS_DIR"] = extensions_dir()
     pin_ninja()
+    if "TORCH_CUDA_ARCH_LIST" in env:
+        env["TORCH_CUDA_ARCH_LIST"] = plain_cuda_arch_list(env["TORCH_CUDA_ARCH_LIST"])
     # mpirun (DeepSpeed's openmpi launcher) sets no RANK; map Open MPI's variables, and keep the
     # rendezvous on loopback for a single host (DeepSpeed's discovery would pick `hostname -I`).
     if "OMPI_COMM_WORLD_RANK" in env and "RANK" not in env:

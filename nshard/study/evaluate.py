@@ -12,8 +12,10 @@ summary.json, written last: a directory without summary.json was not finished.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -119,33 +121,100 @@ def stop_ids(tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def generate_answers(model, tokenizer, inputs: list[list[int]], max_new_tokens: int, batch_size: int,
-                     desc: str = "generate") -> list[list[int]]:
-    """Greedy continuations, batched and left-padded; each is cut before its first stop token."""
+def scoring_batches(inputs: list[list[int]], batch_size: int) -> list[list[int]]:
+    """The positions of the inputs each scoring batch holds: longest input first, so each batch pads little."""
+    order = sorted(range(len(inputs)), key=lambda i: (-len(inputs[i]), i))
+    return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+
+
+def greedy_batch(model, rows: list[list[int]], max_new_tokens: int, stops: list[int], pad: int,
+                 still_possible=None) -> list[tuple[list[int], bool]]:
+    """Greedy continuations of one batch, left-padded, each up to (not including) its first stop token or
+    max_new_tokens long, with whether it was cut: `still_possible(row, ids)` False means no continuation of the
+    row's answer so far can be scored right, so it ends there (its last token is the one that made it wrong). A row
+    leaves the batch and the KV cache once it ended, so the batch narrows as its answers end. Every step is the
+    model's argmax; which rows share a step is fixed by the batch, so the same batch, dtype, device and thread count
+    give the same tokens."""
     import torch
+    from transformers import DynamicCache
+
+    device = model.device
+    # transformers renames the cache argument within 5.x (past_key_values, deprecated for `cache` from 5.25).
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, width - len(row):] = torch.tensor(row)
+        mask[r, width - len(row):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    position = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    cache = DynamicCache(config=model.config)
+    stop = torch.tensor(stops, device=device)
+    answers: list[list[int]] = [[] for _ in rows]
+    cut = [False] * len(rows)
+    alive = list(range(len(rows)))
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, logits_to_keep=1,
+                       **{cache_arg: cache}).logits[:, -1]
+        position = position[:, -1:] + 1
+        for step in range(max_new_tokens):
+            token = logits.argmax(-1)
+            ended = torch.isin(token, stop).tolist()
+            for k, (row, t) in enumerate(zip(alive, token.tolist())):
+                if not ended[k]:
+                    answers[row].append(t)
+                    if still_possible is not None and not still_possible(row, answers[row]):
+                        cut[row] = ended[k] = True
+            if step == max_new_tokens - 1 or all(ended):
+                break
+            if any(ended):
+                keep = torch.tensor([k for k, end in enumerate(ended) if not end], device=device)
+                cache.batch_select_indices(keep)
+                mask, token, position = mask[keep], token[keep], position[keep]
+                alive = [row for row, end in zip(alive, ended) if not end]
+            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
+            logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=position, use_cache=True,
+                           **{cache_arg: cache}).logits[:, -1]
+            position = position + 1
+    return list(zip(answers, cut))
+
+
+def answer_target(family: str, expected: str) -> tuple[str, bool]:
+    """What an answer is matched against: a task case's answer under exact_match (one trailing period forgiven),
+    an own row's expected answer with surrounding whitespace forgiven only (evaluate.exact_match)."""
+    return (expected.strip(), False) if family == "chat" else (expected, True)
+
+
+def generate_answers(model, tokenizer, inputs: list[list[int]], max_new_tokens: int, batch_size: int,
+                     desc: str = "generate", batches: list[int] | None = None,
+                     targets: list[tuple[str, bool]] | None = None) -> dict[int, tuple[list[int], bool]]:
+    """Greedy answers (greedy_batch) to the inputs of the scoring batches numbered `batches` (None: all), by input
+    position: (token ids, cut). With `targets` ((expected, period) per input, answer_target) an answer ends as soon
+    as no continuation could match its target: scoring is exact match, so its verdict is already wrong, and the
+    rest of it would cost decoding steps and change nothing that is scored. (Only where decoding a prefix of the
+    ids gives a prefix of the whole text: a tokenizer that cleans up spaces on decoding is never cut.)"""
     from tqdm import tqdm
+
+    from nshard.tasks.base import could_still_match
 
     stops = stop_ids(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    # Longest first, so each batch pads little; answers go back to their input's position.
-    order = sorted(range(len(inputs)), key=lambda i: (-len(inputs[i]), i))
-    answers: list[list[int]] = [[] for _ in inputs]
-    for start in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch"):
-        rows = order[start:start + batch_size]
-        width = max(len(inputs[i]) for i in rows)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, i in enumerate(rows):
-            ids[r, width - len(inputs[i]):] = torch.tensor(inputs[i])
-            mask[r, width - len(inputs[i]):] = 1
-        with torch.no_grad():
-            out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                                 max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                                 eos_token_id=stops, pad_token_id=pad)
-        for r, i in enumerate(rows):
-            new = out[r, width:].tolist()
-            cut = next((k for k, t in enumerate(new) if t in stops), len(new))
-            answers[i] = new[:cut]
+    every = scoring_batches(inputs, batch_size)
+    chosen = range(len(every)) if batches is None else batches
+    cuttable = targets is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+    answers: dict[int, tuple[list[int], bool]] = {}
+    for number in tqdm(chosen, desc=desc, unit="batch"):
+        rows = every[number]
+
+        def still_possible(k: int, ids: list[int]) -> bool:
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            # A trailing incomplete character decodes as U+FFFD and is not yet text: wait for the next token.
+            expected, period = targets[rows[k]]
+            return text.endswith("\ufffd") or could_still_match(expected, text, period)
+
+        answers.update(zip(rows, greedy_batch(model, [inputs[i] for i in rows], max_new_tokens, stops, pad,
+                                              still_possible if cuttable else None)))
     return answers
 
 
@@ -173,14 +242,36 @@ def read_jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def score_model(label: str, model_dir: Path, run_dir: Path, out: Path, *, commitment: Path | None,
-                exploratory: bool = False, seed_eval: Path | None = None, max_new_tokens: int = 48,
-                batch_size: int = 16) -> dict:
-    """Evaluate one model directory; refuses a model that the commitment does not name unless exploratory."""
-    import torch
+@dataclass(frozen=True)
+class Scoring:
+    """One model to score, checked against the commitment: its sets, tokenizer, placement and the model inputs."""
 
+    label: str
+    model_dir: Path
+    run_dir: Path
+    files: dict
+    committed: dict
+    sets: RunSets
+    tokenizer: object
+    placement: object
+    inputs: list
+    targets: list
+    """(expected, period) per input: what its answer must match (answer_target)."""
+
+    def shares(self, max_new_tokens: int, batch_size: int, processes: int) -> list[tuple]:
+        """score_share's arguments for each of `processes` processes: every processes-th scoring batch, and the first
+        one's the retention and held-out losses."""
+        batches = len(scoring_batches(self.inputs, batch_size))
+        return [(str(self.model_dir), self.placement, self.inputs, self.targets, max_new_tokens, batch_size,
+                 list(range(k, batches, processes)),
+                 {"retention": self.sets.retention, "heldout": list(self.sets.heldout)} if k == 0 else {})
+                for k in range(processes)]
+
+
+def prepare_scoring(label: str, model_dir: Path, run_dir: Path, *, commitment: Path | None,
+                    exploratory: bool = False) -> Scoring:
+    """Refuses a model that the commitment does not name (unless exploratory); else its sets and inputs."""
     from nshard.evidence import commit as commit_mod
-    from nshard.run.device import load_for_inference
     from nshard.run.models import ModelRef, load_tokenizer
 
     model_dir = Path(model_dir)
@@ -201,20 +292,51 @@ def score_model(label: str, model_dir: Path, run_dir: Path, out: Path, *, commit
         commit_mod.check_committed_as(record, label, files)  # a committed model scored under another label
         committed = {"commitment": record["record_sha256"], "committed_as": label, "exploratory": False}
     sets = load_run_sets(run_dir)
-    seed_by_doc = None
-    if seed_eval is not None:
-        seed_by_doc = {r["doc_id"]: r for r in read_jsonl(Path(seed_eval) / "retention.jsonl")}
-
-    ref = ModelRef(str(model_dir), str(model_dir.resolve()), None, "local")
-    tokenizer = load_tokenizer(ref)
-    placement = run_placement(run_dir)
-    model = load_for_inference(ref, placement)
-    t0 = time.perf_counter()
+    tokenizer = load_tokenizer(ModelRef(str(model_dir), str(model_dir.resolve()), None, "local"))
     inputs = [prompt_ids(tokenizer, c) for c in sets.cases] + [d["prompt_ids"] for d in sets.answers]
-    generated = generate_answers(model, tokenizer, inputs, max_new_tokens, batch_size, desc=f"{label}: answers")
-    generate_s = time.perf_counter() - t0
+    targets = ([answer_target(c.family, tasks.answer(c)) for c in sets.cases]
+               + [answer_target("chat", d["expected"]) for d in sets.answers])
+    return Scoring(label, model_dir, Path(run_dir), files, committed, sets, tokenizer, run_placement(run_dir), inputs,
+                   targets)
+
+
+def score_share(model_dir: str, placement, inputs: list[list[int]], targets: list[tuple[str, bool]],
+                max_new_tokens: int, batch_size: int, batches: list[int], loss_sets: dict[str, list[dict]]) -> dict:
+    """One process's share of one model's scoring: the greedy answers of the scoring batches numbered `batches`,
+    and the losses of each of `loss_sets` (name -> documents). Loads the model and tokenizer itself, so it can run
+    in a process of its own (side_by_side)."""
+    import torch
+
+    from nshard.run.device import load_for_inference
+    from nshard.run.models import ModelRef, load_tokenizer
+
+    ref = ModelRef(model_dir, str(Path(model_dir).resolve()), None, "local")
+    tokenizer = load_tokenizer(ref)
+    model = load_for_inference(ref, placement)
+    name = Path(model_dir).parent.name if Path(model_dir).name == "model" else Path(model_dir).name
+    t0 = time.perf_counter()
+    answers = generate_answers(model, tokenizer, inputs, max_new_tokens, batch_size, desc=f"{name}: answers",
+                               batches=batches, targets=targets)
+    t1 = time.perf_counter()
+    losses = {what: retention_losses(model, docs, desc=f"{name}: {what}") for what, docs in loss_sets.items()}
+    return {"answers": answers, "generate_s": t1 - t0, "losses": losses, "loss_s": time.perf_counter() - t1,
+            "threads": torch.get_num_threads()}
+
+
+def write_scores(scoring: Scoring, shares: list[dict], out: Path, *, exploratory: bool = False,
+                 seed_rows: list[dict] | None = None, max_new_tokens: int, batch_size: int) -> dict:
+    """The model's answers (from every share) decoded and scored, and its losses, into EVAL_DIR; summary.json last."""
+    answers = {i: a for share in shares for i, a in share["answers"].items()}
+    if sorted(answers) != list(range(len(scoring.inputs))):
+        raise EvalError(f"{scoring.label}: the scoring processes answered {len(answers)} of {len(scoring.inputs)} "
+                        "inputs")
+    threads = {share["threads"] for share in shares}
+    if len(threads) != 1:
+        raise EvalError(f"{scoring.label}: scored at several thread counts {sorted(threads)}; the bits depend on it")
+    sets, tokenizer = scoring.sets, scoring.tokenizer
     case_rows = []
-    for case, ids, gen in zip(sets.cases + sets.answers, inputs, generated):
+    for position, (case, ids) in enumerate(zip(sets.cases + sets.answers, scoring.inputs)):
+        gen, cut = answers[position]
         text = tokenizer.decode(gen, skip_special_tokens=True)
         if isinstance(case, dict):  # an own held-out row with an expected answer
             row = {"case_id": case["doc_id"], "family": "chat", "prompt": None, "expected": case["expected"],
@@ -222,20 +344,16 @@ def score_model(label: str, model_dir: Path, run_dir: Path, out: Path, *, commit
         else:
             row = {"case_id": case.case_id, "family": case.family, "prompt": tasks.prompt(case),
                    "expected": tasks.answer(case), "correct": tasks.score(case, text)}
-        case_rows.append({**row, "input_ids": ids, "generated_text": text, "generated_ids": gen,
+        if cut and row["correct"]:
+            raise EvalError(f"{scoring.label}: {row['case_id']}: an answer cut as unmatchable scores right: the "
+                            "tokenizer's decoding of a prefix is not a prefix of its decoding of the whole")
+        case_rows.append({**row, "input_ids": ids, "generated_text": text, "generated_ids": gen, "cut": cut,
                           "exploratory": exploratory})
-    t1 = time.perf_counter()
-    retention = retention_losses(model, sets.retention, desc=f"{label}: retention")
-    for row in retention:
-        if seed_by_doc is not None:
-            seed = seed_by_doc[row["doc_id"]]
-            row["seed_nll_sum"] = seed["nll_sum"]
-            row["change_nats_per_token"] = (row["nll_sum"] - seed["nll_sum"]) / row["target_weight"]
-        row["exploratory"] = exploratory
-    heldout = retention_losses(model, sets.heldout, desc=f"{label}: held-out")
-    for row in heldout:
-        row["exploratory"] = exploratory
-    retention_s = time.perf_counter() - t1
+    losses = next(share["losses"] for share in shares if share["losses"])
+    retention = [{**row, "exploratory": exploratory} for row in losses["retention"]]
+    heldout = [{**row, "exploratory": exploratory} for row in losses["heldout"]]
+    if seed_rows is not None:
+        retention = with_seed_retention(retention, seed_rows)
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -248,16 +366,96 @@ def score_model(label: str, model_dir: Path, run_dir: Path, out: Path, *, commit
         fam = per_family.setdefault(row["family"], {"correct": 0, "cases": 0})
         fam["cases"] += 1
         fam["correct"] += bool(row["correct"])
-    summary = {"label": label, "model_dir": str(model_dir), "model_files": files,
-               "prepared_identity": sets.prepared_identity, "run_dir": str(run_dir), **committed,
+    summary = {"label": scoring.label, "model_dir": str(scoring.model_dir), "model_files": scoring.files,
+               "prepared_identity": sets.prepared_identity, "run_dir": str(scoring.run_dir), **scoring.committed,
                "cases": len(case_rows), "correct": sum(r["correct"] for r in case_rows), "per_family": per_family,
                "retention_docs": len(retention), "heldout": heldout_summary(heldout),
                "max_new_tokens": max_new_tokens, "batch_size": batch_size,
-               "generate_s": generate_s, "retention_s": retention_s,
-               "device": placement.device, "dtype": placement.dtype, "threads": torch.get_num_threads(),
-               "with_seed_retention": seed_eval is not None}
+               "generate_s": sum(share["generate_s"] for share in shares),
+               "retention_s": sum(share["loss_s"] for share in shares), "processes": len(shares),
+               "cut": sum(r["cut"] for r in case_rows),
+               "device": scoring.placement.device, "dtype": scoring.placement.dtype, "threads": threads.pop(),
+               "with_seed_retention": seed_rows is not None}
     write_json_atomic(out / "summary.json", summary)
     return summary
+
+
+def score_model(label: str, model_dir: Path, run_dir: Path, out: Path, *, commitment: Path | None,
+                exploratory: bool = False, seed_eval: Path | None = None, max_new_tokens: int = 48,
+                batch_size: int = 16) -> dict:
+    """Evaluate one model directory in this process; refuses a model that the commitment does not name unless
+    exploratory. (A study scores its models side by side: nshard/study/runner.py score_all.)"""
+    scoring = prepare_scoring(label, model_dir, run_dir, commitment=commitment, exploratory=exploratory)
+    seed_rows = read_jsonl(Path(seed_eval) / "retention.jsonl") if seed_eval is not None else None
+    share = score_share(*scoring.shares(max_new_tokens, batch_size, 1)[0])
+    return write_scores(scoring, [share], out, exploratory=exploratory, seed_rows=seed_rows,
+                        max_new_tokens=max_new_tokens, batch_size=batch_size)
+
+
+def with_seed_retention(rows: list[dict], seed_rows: list[dict]) -> list[dict]:
+    """Each retention row with the seed's loss of the same document and the change per target token."""
+    seed_by_doc = {r["doc_id"]: r for r in seed_rows}
+    out = []
+    for row in rows:
+        seed = seed_by_doc[row["doc_id"]]["nll_sum"]
+        out.append({**row, "seed_nll_sum": seed, "change_nats_per_token": (row["nll_sum"] - seed) / row["target_weight"]})
+    return out
+
+
+SIDE_BY_SIDE_MIN_STEPS = 4096
+"""Below this many decoding steps per model (cases x max_new_tokens, about 100 cases of 40 tokens) a model is scored
+in this process: starting a process and importing torch there costs a few CPU seconds, about what such a model's
+scoring takes on the embedded model."""
+
+
+def side_by_side_layout(cases: int, batch_size: int, max_new_tokens: int, cuda: bool) -> tuple[int, int | None]:
+    """How many processes share a model's scoring (or regeneration) batches, and each one's threads (None: one
+    process, as is). On a GPU one process: the device is shared. On a CPU one process per core, at most one per
+    batch, each with an equal share of the cores, where the scoring is worth it (SIDE_BY_SIDE_MIN_STEPS): on the
+    2-core build machine two one-thread processes answer 1.1 to 1.25x as many cases per second as one process on both
+    cores at batch 64, and no OpenMP thread waits on a core the other holds (docs/benchmarks.md). The thread count
+    is recorded with every score (summary.json "threads") and validation regenerates at it: bf16 kernels may split
+    their sums by thread."""
+    from nshard.seam.launch_env import usable_cores
+
+    cores = usable_cores()
+    batches = -(-cases // batch_size)
+    worth = cases * max_new_tokens >= SIDE_BY_SIDE_MIN_STEPS
+    processes = 1 if cuda or not worth else max(1, min(batches, cores))
+    return processes, (cores // processes if processes > 1 else None)
+
+
+def _set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def side_by_side(fn, jobs: list[tuple], processes: int, threads: int | None) -> list:
+    """fn(*job) for every job, in `processes` spawned processes of `threads` threads each (one process: here, as
+    is); results in job order. The first job that raised (in job order) raises here; jobs not yet started are
+    cancelled."""
+    if processes <= 1:
+        return [fn(*job) for job in jobs]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # the spawned processes inherit it before they import torch
+    try:
+        with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_set_threads, initargs=(threads,)) as pool:
+            futures = [pool.submit(fn, *job) for job in jobs]
+            try:
+                return [f.result() for f in futures]
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+    finally:
+        if before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
 
 
 def main(argv=None) -> int:

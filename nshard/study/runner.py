@@ -238,32 +238,46 @@ def commit_candidates(out: Path, seed_dir: Path, arms: dict[str, Path]) -> dict:
 
 
 def score_all(plan: Plan, out: Path, seed_dir: Path, arms: dict[str, Path], record: dict | None) -> dict[str, Path]:
-    """Score the seed, then every candidate (retention measured against the seed's losses)."""
+    """Score the seed and every candidate (retention measured against the seed's losses); on a CPU of several cores
+    every model's scoring batches are shared among a process per core (evaluate.side_by_side_layout)."""
     from nshard.evidence import commit
-    from nshard.study.evaluate import score_model
+    from nshard.study.evaluate import (prepare_scoring, read_jsonl, score_share, side_by_side, side_by_side_layout,
+                                       write_scores)
 
     exploratory = record is None
     # The candidate's sets: a no-replay control has no retention documents of its own.
-    reference_run = arms.get(plan.study.candidate) or next(iter(arms.values()))
-    evals: dict[str, Path] = {}
+    reference_run = arms[reference_arm(plan, arms)]
+    identity = json.loads((reference_run / "prepared" / "identity.json").read_text())["prepared_identity"]
+    evals = {label: out / "eval" / label for label in ("seed", *arms)}
+    todo = []
     for label, model_dir in [("seed", seed_dir), *((name, run / "model") for name, run in arms.items())]:
-        target = out / "eval" / label
-        summary_path = target / "summary.json"
+        summary_path = evals[label] / "summary.json"
         if summary_path.is_file():
             summary = json.loads(summary_path.read_text())
             same = (summary.get("commitment") == (record or {}).get("record_sha256")
+                    and summary.get("prepared_identity") == identity
                     and summary.get("exploratory") == exploratory
                     and summary.get("model_files") == commit.model_files(model_dir)
                     and summary.get("with_seed_retention") == (label != "seed"))
             if same:
                 say(f"score {label}: scored earlier under the same commitment; reused")
-                evals[label] = target
                 continue
         say(f"score {label}: {model_dir}")
-        score_model(label, model_dir, reference_run, target, commitment=None if exploratory else out / "commitment.json",
-                    exploratory=exploratory, seed_eval=None if label == "seed" else evals["seed"],
-                    max_new_tokens=plan.study.eval_max_new_tokens, batch_size=plan.study.eval_batch_size)
-        evals[label] = target
+        todo.append(prepare_scoring(label, model_dir, reference_run, exploratory=exploratory,
+                                    commitment=None if exploratory else out / "commitment.json"))
+    if not todo:
+        return evals
+    max_new, batch_size = plan.study.eval_max_new_tokens, plan.study.eval_batch_size
+    processes, threads = side_by_side_layout(len(todo[0].inputs), batch_size, max_new, cuda_available())
+    jobs = [share for scoring in todo for share in scoring.shares(max_new, batch_size, processes)]
+    if processes > 1:
+        say(f"scoring {len(todo)} models in {processes} processes of {threads} thread(s) each, every model's "
+            "batches shared among them")
+    shares = side_by_side(score_share, jobs, processes, threads)
+    for k, scoring in sorted(enumerate(todo), key=lambda kv: kv[1].label != "seed"):  # the seed's losses first
+        seed_rows = None if scoring.label == "seed" else read_jsonl(evals["seed"] / "retention.jsonl")
+        write_scores(scoring, shares[k * processes:(k + 1) * processes], evals[scoring.label],
+                     exploratory=exploratory, seed_rows=seed_rows, max_new_tokens=max_new, batch_size=batch_size)
     return evals
 
 
@@ -385,16 +399,24 @@ def default_out(plan: Plan) -> Path:
     return Path("runs") / plan.name
 
 
-def validate_scores(plan: Plan, plan_path: Path, out: Path, done: dict[str, Path], evals: dict[str, Path],
-                    record: dict | None, tokenizer) -> dict:
-    """Post-scoring validation into validation.json; a failure is written there too (passed: false, and where),
-    so the analysis refuses the study rather than finding no record of it, and then stops the study."""
+def reference_arm(plan: Plan, done: dict[str, Path]) -> str:
+    """The finished arm whose prepared sets every model is scored and validated on: the candidate, or where it
+    failed the first finished arm (the arms of one study share their evaluation sets)."""
+    return plan.study.candidate if plan.study.candidate in done else next(iter(done))
+
+
+def validate_scores(plan: Plan, arm_plans: dict[str, Path], out: Path, done: dict[str, Path],
+                    evals: dict[str, Path], record: dict | None, tokenizer) -> dict:
+    """Post-scoring validation into validation.json, against the reference arm's run and its own plan (a growth
+    study's arms have plans of their own); a failure is written there too (passed: false, and where), so the
+    analysis refuses the study rather than finding no record of it, and then stops the study."""
     from nshard.study.validate import ValidationError, validate
 
     t0 = time.perf_counter()
+    reference = reference_arm(plan, done)
     try:
-        validation = validate(done.get(plan.study.candidate) or next(iter(done.values())), tokenizer, evals,
-                              record=record, plan_path=plan_path, regenerate=plan.study.validate_regenerate)
+        validation = validate(done[reference], tokenizer, evals, record=record, plan_path=arm_plans[reference],
+                              regenerate=plan.study.validate_regenerate)
     except ValidationError as exc:
         write_json_atomic(out / "validation.json", {"passed": False, "error": str(exc)})
         raise
@@ -475,13 +497,13 @@ def run_owned(plan: Plan, plan_path: Path, out: Path, exploratory: bool) -> dict
         say("EXPLORATORY: scoring without a commitment; every output says so")
     evals = score_all(plan, out, seed_dir, done, record)
     tokenizer = load_tokenizer(ModelRef(str(seed_dir), str(seed_dir), None, "local"))
-    validation = validate_scores(plan, arm_plans[plan.study.candidate], out, done, evals, record, tokenizer)
+    validation = validate_scores(plan, arm_plans, out, done, evals, record, tokenizer)
     study["validation"] = {k: validation.get(k) for k in ("passed", "case_ids", "regenerated", "validate_s")}
     if plan.growth.enabled:  # the cost of each model beside its gain, measured here, now, one model at a time
         from nshard.study.serving import measure_all
 
-        measure_all({name: run / "model" for name, run in done.items()}, done.get(plan.study.candidate) or
-                    next(iter(done.values())), out / "serving.json", plan.study.eval_batch_size, note=say)
+        measure_all({name: run / "model" for name, run in done.items()}, done[reference_arm(plan, done)],
+                    out / "serving.json", plan.study.eval_batch_size, note=say)
     study["train_s"], study["total_s"] = train_s, time.perf_counter() - t0
     write_json_atomic(out / "study.json", study)
     # The analysis reads files only; a separate process keeps torch and nshard out of it.

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import time
 from pathlib import Path
 
 from nshard.files import write_json_atomic
+from nshard.run.receipts import peak_rss_bytes
 
 
 class ServingError(RuntimeError):
@@ -86,7 +86,7 @@ def measure(model_dir: Path, run_dir: Path, batch: int, new_tokens: int, prompts
             "tokens_per_s_batch": min(batch, len(inputs)) * new_tokens / statistics.median(many),
             "new_tokens": new_tokens, "prompts": prompts, "repeats": repeats,
             "peak_memory_bytes": (torch.cuda.max_memory_allocated() if cuda
-                                  else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
+                                  else peak_rss_bytes()),
             "peak_memory_kind": "GPU allocated" if cuda else "process peak RSS"}
 
 

@@ -13,10 +13,11 @@ expected answer (own chat data) is a case too, checked against its prepared prom
 Retention: every candidate's change is recomputed from its own and the seed's stored losses; the seed is
 the evaluation whose model files the commitment record names as the seed (by label only without a record).
 Regeneration (unless --no-regenerate): every model's greedy answers to every case are generated again, by the
-call scoring made (same batches, padding, placement and dtype), and their token ids compared; every retention
-document and every own held-out row is scored again. A differing token is named with its two scores. Greedy
-decoding is deterministic on one kind of CPU; on another, a near-tie can flip, so the result names the machine the
-check ran on.
+call scoring made (same batches, padding, placement, dtype and thread count), and their token ids compared; every
+retention document and every own held-out row is scored again. On a CPU of several cores each model's batches
+are shared among a process per core, as the study scores them (evaluate.side_by_side_layout). A differing token
+is named with its two scores. Greedy decoding is deterministic on one kind of CPU; on another, a near-tie can flip,
+so the result names the machine the check ran on.
 The first disagreement stops with a message that names the evaluation and the case. The output (validation.json
 in a study) lists each case's flag and each document's loss as validated: the analysis uses no others.
 """
@@ -33,8 +34,10 @@ import time
 from pathlib import Path
 
 from nshard import tasks
-from nshard.study.evaluate import (EvalError, case_from_id, exact_match, heldout_summary, load_run_sets, prompt_ids,
-                                   read_jsonl)
+from nshard.seam.launch_env import usable_cores
+from nshard.study.evaluate import (EvalError, answer_target, case_from_id, exact_match, heldout_summary,
+                                   load_run_sets, prompt_ids, read_jsonl)
+from nshard.tasks.base import could_still_match
 
 
 RETENTION_RTOL = 1e-6
@@ -78,12 +81,41 @@ def check_answer(label: str, row: dict, answer: dict, tokenizer) -> bool:
     correct = exact_match(decoded, answer["expected"])
     if correct != row.get("correct"):
         _fail(label, cid, f"re-scoring gives correct={correct}, the file says {row.get('correct')}")
+    expected, period = answer_target("chat", answer["expected"])
+    check_cut(label, cid, row, could_still_match(expected, decoded, period))
     return correct
 
 
-def check_cases(label: str, rows: list[dict], case_ids: list[str], tokenizer, answers: dict | None = None) -> dict:
+class RebuiltCases(dict):
+    """case ID -> the case rebuilt from its ID, its prompt, expected answer and model input, and whether the expected
+    answer's assistant turn is inside that input: built once per validation, for every evaluation that holds it."""
+
+    def __init__(self, tokenizer):
+        super().__init__()
+        self.tokenizer = tokenizer
+
+    def __missing__(self, cid: str) -> dict:
+        case = case_from_id(cid)
+        model_input = prompt_ids(self.tokenizer, case)
+        self[cid] = {"case": case, "prompt": tasks.prompt(case), "expected": tasks.answer(case),
+                     "input_ids": model_input,
+                     "answer_inside": _contains(model_input, assistant_turn_ids(self.tokenizer, case))}
+        return self[cid]
+
+
+def check_cut(label: str, cid: str, row: dict, could_still_match_: bool) -> None:
+    """An answer stored as cut (generation stopped once no continuation could be right) must be one whose text no
+    continuation could make right."""
+    if row.get("cut") and could_still_match_:
+        _fail(label, cid, f"stored as cut, but its text {row.get('generated_text')!r} could still be continued into "
+                          "the expected answer")
+
+
+def check_cases(label: str, rows: list[dict], case_ids: list[str], tokenizer, answers: dict | None = None,
+                rebuilt: RebuiltCases | None = None) -> dict:
     """Every stored case line against a fresh rebuild (an own held-out row: against its prepared document);
-    returns the recounted totals."""
+    returns the recounted totals. `rebuilt`: cases already rebuilt for another evaluation of this validation."""
+    rebuilt = RebuiltCases(tokenizer) if rebuilt is None else rebuilt
     seen = [r.get("case_id") for r in rows]
     if seen != case_ids:
         missing = sorted(set(case_ids) - set(seen))
@@ -98,15 +130,15 @@ def check_cases(label: str, rows: list[dict], case_ids: list[str], tokenizer, an
             fam["cases"] += 1
             fam["correct"] += check_answer(label, row, answers[cid], tokenizer)
             continue
-        case = case_from_id(cid)
-        if row.get("family") != case.family or row.get("prompt") != tasks.prompt(case):
+        fresh = rebuilt[cid]
+        case = fresh["case"]
+        if row.get("family") != case.family or row.get("prompt") != fresh["prompt"]:
             _fail(label, cid, "stored family or prompt differs from the case rebuilt from its ID")
-        if row.get("expected") != tasks.answer(case):
-            _fail(label, cid, f"stored expected answer {row.get('expected')!r} != {tasks.answer(case)!r}")
-        model_input = prompt_ids(tokenizer, case)
-        if row.get("input_ids") != model_input:
+        if row.get("expected") != fresh["expected"]:
+            _fail(label, cid, f"stored expected answer {row.get('expected')!r} != {fresh['expected']!r}")
+        if row.get("input_ids") != fresh["input_ids"]:
             _fail(label, cid, "stored input ids differ from the re-rendered, re-tokenized prompt")
-        if _contains(model_input, assistant_turn_ids(tokenizer, case)):
+        if fresh["answer_inside"]:
             _fail(label, cid, "the expected answer's assistant turn is inside the model input")
         decoded = tokenizer.decode(row.get("generated_ids", []), skip_special_tokens=True)
         if decoded != row.get("generated_text"):
@@ -115,6 +147,7 @@ def check_cases(label: str, rows: list[dict], case_ids: list[str], tokenizer, an
         correct = tasks.score(case, decoded)
         if correct != row.get("correct"):
             _fail(label, cid, f"re-scoring gives correct={correct}, the file says {row.get('correct')}")
+        check_cut(label, cid, row, tasks.could_still_score(case, decoded))
         fam = per_family.setdefault(case.family, {"correct": 0, "cases": 0})
         fam["cases"] += 1
         fam["correct"] += correct
@@ -206,15 +239,13 @@ def rebuild_prepared(run_dir: Path, plan_path: Path | None, tokenizer) -> dict:
     return {"prepared_identity": recorded, "rebuilt_from": str(plan_path), "recomputed_from_files": True}
 
 
-def regenerate_all(label: str, summary: dict, rows: list[dict], retention_rows: list[dict], sets, run_dir: Path,
-                   tokenizer, heldout_rows: list[dict] = ()) -> dict:
-    """Every answer generated again (the task cases and the own rows with an expected answer, in one call as
-    scoring made it: the same batches, padding, placement and dtype) and every retention document and own held-out
-    row scored again, compared token for token and loss for loss."""
+def regeneration_shares(label: str, summary: dict, rows: list[dict], retention_rows: list[dict],
+                        heldout_rows: list[dict], sets, run_dir: Path, processes: int) -> list[tuple]:
+    """regenerate_share's arguments for each of `processes` processes (every processes-th scoring batch; the first
+    also scores the retention documents and own held-out rows again), once the model's files and placement are the
+    ones scoring used."""
     from nshard.evidence.commit import model_files
-    from nshard.run.device import load_for_inference
-    from nshard.run.models import ModelRef
-    from nshard.study.evaluate import generate_answers, retention_losses, run_placement
+    from nshard.study.evaluate import run_placement, scoring_batches
 
     model_dir = Path(summary["model_dir"])
     if model_files(model_dir) != summary.get("model_files"):
@@ -224,28 +255,60 @@ def regenerate_all(label: str, summary: dict, rows: list[dict], retention_rows: 
         _fail(label, "summary.json", f"scored on {summary.get('device')} in {summary.get('dtype')}, but the run's "
                                      f"placement is {placement.device} in {placement.dtype}: score it again there")
     inputs = [r["input_ids"] for r in rows]
+    stored = [(r["generated_ids"], r.get("cut", False)) for r in rows]
+    case_ids = [r["case_id"] for r in rows]
+    targets = [answer_target(r["family"], r["expected"]) for r in rows]  # check_cases compared them with the rebuild
     batch_size = summary.get("batch_size") or 16
-    model = load_for_inference(ModelRef(str(model_dir), str(model_dir.resolve()), None, "local"), placement)
-    # bf16 kernels split their sums by thread: the same thread count as scoring gives the same bits.
-    with torch_threads(summary.get("threads")) as threads:
+    batches = len(scoring_batches(inputs, batch_size))
+    losses = [("retention", retention_rows, sets.retention),
+              ("heldout", heldout_rows, list(sets.heldout) if heldout_rows else [])]
+    return [(label, str(model_dir), placement, summary.get("threads"), inputs, targets, stored, case_ids,
+             summary["max_new_tokens"], batch_size, list(range(k, batches, processes)), losses if k == 0 else [])
+            for k in range(processes)]
+
+
+def regenerate_share(label: str, model_dir: str, placement, threads: int | None, inputs: list[list[int]],
+                     targets: list[tuple[str, bool]], stored: list[tuple[list[int], bool]], case_ids: list[str],
+                     max_new_tokens: int, batch_size: int, batches: list[int], losses: list[tuple]) -> dict:
+    """The answers of the scoring batches numbered `batches` generated again by the call scoring made (the same
+    batches, padding, placement, dtype and thread count) and compared token for token with the stored ones; each
+    of `losses` ((what, stored rows, documents)) scored again and compared loss for loss. Loads the model itself, so
+    it can run in a process of its own."""
+    from nshard.run.device import load_for_inference
+    from nshard.run.models import ModelRef, load_tokenizer
+    from nshard.study.evaluate import generate_answers, retention_losses
+
+    ref = ModelRef(model_dir, str(Path(model_dir).resolve()), None, "local")
+    tokenizer = load_tokenizer(ref)
+    model = load_for_inference(ref, placement)
+    # bf16 kernels may split their sums by thread: the same thread count as scoring gives the same bits.
+    with torch_threads(threads) as used:
         t0 = time.perf_counter()
-        again = generate_answers(model, tokenizer, inputs, summary["max_new_tokens"], batch_size,
-                                 desc=f"{label}: regenerate")
+        again = generate_answers(model, tokenizer, inputs, max_new_tokens, batch_size, desc=f"{label}: regenerate",
+                                 batches=batches, targets=targets)
         generate_s = time.perf_counter() - t0
-        for row, prompt, ids in zip(rows, inputs, again):
-            if ids != row["generated_ids"]:
-                _fail(label, row["case_id"], _first_token_difference(model, prompt, row["generated_ids"], ids))
+        for i, (ids, cut) in again.items():
+            if ids != stored[i][0]:
+                _fail(label, case_ids[i], _first_token_difference(model, inputs[i], stored[i][0], ids))
+            if cut != stored[i][1]:
+                _fail(label, case_ids[i], f"generated again, the answer is {'' if cut else 'not '}cut; the file "
+                                          f"says cut={stored[i][1]}")
         t1 = time.perf_counter()
-        for what, stored, docs in (("retention", retention_rows, sets.retention),
-                                   ("heldout", heldout_rows, sets.heldout if heldout_rows else [])):
-            for row, fresh in zip(stored, retention_losses(model, docs, desc=f"{label}: rescore {what}")):
+        for what, stored_rows, docs in losses:
+            for row, fresh in zip(stored_rows, retention_losses(model, docs, desc=f"{label}: rescore {what}")):
                 if not math.isclose(fresh["nll_sum"], row["nll_sum"], rel_tol=RETENTION_RTOL, abs_tol=1e-9):
                     _fail(label, f"{what} {fresh['doc_id']}", f"scored again, its loss is {fresh['nll_sum']!r}; "
                                                               f"the file says {row['nll_sum']!r}")
-    return {"cases": len(rows), "batches": -(-len(rows) // batch_size), "retention_docs": len(retention_rows),
-            "heldout_docs": len(heldout_rows),
-            "generate_s": generate_s, "retention_s": time.perf_counter() - t1,
-            "device": placement.device, "dtype": placement.dtype, "threads": threads}
+    return {"batches": len(batches), "generate_s": generate_s, "retention_s": time.perf_counter() - t1,
+            "threads": used}
+
+
+def regeneration_record(summary: dict, rows: list[dict], retention_rows: list[dict], heldout_rows: list[dict],
+                        shares: list[dict]) -> dict:
+    return {"cases": len(rows), "batches": sum(s["batches"] for s in shares), "retention_docs": len(retention_rows),
+            "heldout_docs": len(heldout_rows), "generate_s": sum(s["generate_s"] for s in shares),
+            "retention_s": sum(s["retention_s"] for s in shares), "processes": len(shares),
+            "device": summary.get("device"), "dtype": summary.get("dtype"), "threads": shares[0]["threads"]}
 
 
 @contextlib.contextmanager
@@ -314,10 +377,28 @@ def validate(run_dir: Path, tokenizer, eval_dirs: dict[str, Path], *, record: di
     seed_rows = None
     if seed_label is not None:
         seed_rows = {r["doc_id"]: r for r in read_jsonl(Path(eval_dirs[seed_label]) / "retention.jsonl")}
-    report = {}
+    report, stored, rebuilt = {}, {}, RebuiltCases(tokenizer)
     for label, d in eval_dirs.items():
-        report[label] = check_evaluation(label, Path(d), summaries[label], sets, case_ids, tokenizer, run_dir,
-                                         label == seed_label, seed_rows, regenerate, answers)
+        report[label], stored[label] = check_evaluation(label, Path(d), summaries[label], sets, case_ids, tokenizer,
+                                                        run_dir, label == seed_label, seed_rows, answers, rebuilt)
+    if regenerate:
+        # Every model's batches shared among the processes scoring used side by side, each at the thread count its
+        # scores were made at (the bits depend on it, not on which process made a batch).
+        from nshard.run.device import cuda_available
+        from nshard.study.evaluate import side_by_side, side_by_side_layout
+
+        threads = max(s.get("threads") or 1 for s in summaries.values())
+        batch_size = min(s.get("batch_size") or 16 for s in summaries.values())
+        max_new = max(s.get("max_new_tokens") or 0 for s in summaries.values())
+        processes, _ = side_by_side_layout(len(case_ids), batch_size, max_new, cuda_available())
+        processes = max(1, min(processes, usable_cores() // threads))
+        jobs = {label: regeneration_shares(label, summaries[label], *stored[label], sets, run_dir, processes)
+                for label in eval_dirs}
+        shares = side_by_side(regenerate_share, [job for label in eval_dirs for job in jobs[label]], processes,
+                              threads if processes > 1 else None)
+        for k, label in enumerate(eval_dirs):
+            report[label]["regenerated"] = regeneration_record(summaries[label], *stored[label],
+                                                               shares[k * processes:(k + 1) * processes])
     out = {"passed": True, "prepared_identity": sets.prepared_identity, "case_ids": len(case_ids),
            "seed": seed_label, "seed_found_by": "record" if record is not None else "label",
            "prepared": prepared, "regenerated": regenerate, "evaluations": report}
@@ -340,16 +421,17 @@ def check_settings(summaries: dict[str, dict], plan_path: Path) -> None:
 
 
 def check_evaluation(label: str, d: Path, summary: dict, sets, case_ids: list[str], tokenizer, run_dir: Path,
-                     is_seed: bool, seed_rows: dict | None, regenerate_answers: bool,
-                     answers: dict | None = None) -> dict:
-    """One evaluation directory: its stored files checked against each other and the prepared sets, then (when
-    asked) every answer and loss regenerated: the task cases and the own rows with an expected answer (answers:
-    doc_id -> prepared row), the retention documents and the own held-out rows. Returns what the analysis may use:
-    each case's flag and each document's loss, as validated."""
+                     is_seed: bool, seed_rows: dict | None, answers: dict | None = None,
+                     rebuilt: RebuiltCases | None = None) -> tuple[dict, tuple]:
+    """One evaluation directory: its stored files checked against each other and the prepared sets (the task
+    cases and the own rows with an expected answer (answers: doc_id -> prepared row), the retention documents and
+    the own held-out rows). Returns what the analysis may use (each case's flag and each document's loss, as
+    validated; "regenerated" None until regeneration fills it) and the stored rows regeneration_shares takes (cases,
+    retention, held-out)."""
     if summary.get("prepared_identity") != sets.prepared_identity:
         _fail(label, "summary.json", "scored against another run's prepared sets")
     rows = read_jsonl(d / "cases.jsonl")
-    per_family = check_cases(label, rows, case_ids, tokenizer, answers)
+    per_family = check_cases(label, rows, case_ids, tokenizer, answers, rebuilt)
     if per_family != summary.get("per_family"):
         _fail(label, "summary.json", f"per-family counts {summary.get('per_family')} != recount {per_family}")
     if not is_seed and seed_rows is None:
@@ -365,17 +447,15 @@ def check_evaluation(label: str, d: Path, summary: dict, sets, case_ids: list[st
         if heldout_summary(heldout_rows) != summary.get("heldout"):
             _fail(label, "summary.json", f"held-out totals {summary.get('heldout')} != recount "
                                          f"{heldout_summary(heldout_rows)}")
-    regenerated = (regenerate_all(label, summary, rows, retention_rows, sets, run_dir, tokenizer, heldout_rows)
-                   if regenerate_answers else None)
     out = {"cases": len(case_ids), "correct": sum(f["correct"] for f in per_family.values()),
-           "retention_docs": len(sets.retention), "heldout_docs": len(sets.heldout), "regenerated": regenerated,
+           "retention_docs": len(sets.retention), "heldout_docs": len(sets.heldout), "regenerated": None,
            "case_results": {r["case_id"]: {"family": r["family"], "correct": r["correct"]} for r in rows},
            "retention_docs_checked": {r["doc_id"]: {"nll_sum": r["nll_sum"], "target_weight": r["target_weight"]}
                                       for r in retention_rows}}
     if sets.heldout:
         out["heldout_docs_checked"] = {r["doc_id"]: {"nll_sum": r["nll_sum"], "target_weight": r["target_weight"]}
                                        for r in heldout_rows}
-    return out
+    return out, (rows, retention_rows, heldout_rows)
 
 
 def main(argv=None) -> int:

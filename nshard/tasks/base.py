@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 from dataclasses import dataclass
 
 
@@ -60,6 +61,19 @@ def normalize_reply(text: str) -> str:
 
 def exact_match(expected: str, text: str) -> bool:
     return normalize_reply(text) == expected
+
+
+_TAILS = {True: re.compile(r"\s*(?:\.\s*)?"), False: re.compile(r"\s*")}
+
+
+def could_still_match(expected: str, text: str, period: bool = True) -> bool:
+    """Whether some continuation of `text` could still match `expected`: under exact_match (period=True: surrounding
+    whitespace and one trailing period forgiven) or, with period=False, under a match that forgives surrounding
+    whitespace only. False is final: whatever follows, the reply is wrong, so its generation may stop there."""
+    head = text.lstrip()
+    if len(head) <= len(expected):
+        return expected.startswith(head)
+    return head.startswith(expected) and _TAILS[period].fullmatch(head[len(expected):]) is not None
 
 
 def join_list(items: list) -> str:
