@@ -1,11 +1,13 @@
 """Plant each of eight named faults in a scratch copy of this checkout and show that the suite fails on it.
 
     python launch/mutants.py [--only NAME ...] [--tiers fast,full] [--whole] [--scratch DIR] [--record FILE]
+                             [--keep]
 
 The scratch copy is a clone of this checkout's HEAD with its uncommitted changes applied (tracked files and
 untracked, not ignored ones), set up with launch/setup.sh in its own .venv, so the tests and every rank they launch
-import the mutated code. Each mutant is a textual replacement that must match its file exactly once; a mutant whose
-text is no longer there is an error (the code moved: update the mutant here), never a pass.
+import the mutated code. It is removed at the end unless --keep (its logs stay in DIR-logs). Each mutant is a
+textual replacement that must match its file exactly once; a mutant whose text is no longer there is an error (the
+code moved: update the mutant here), never a pass.
 
 Per mutant:
 - fast tier (mutants marked so): `pytest -m "not slow" -x` in the scratch copy must fail;
@@ -178,6 +180,8 @@ def main(argv=None) -> int:
     parser.add_argument("--whole", action="store_true", help="full tier: the whole suite with -x, not guards first")
     parser.add_argument("--scratch", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "nshard-mutants")
     parser.add_argument("--record", type=Path, help="write the outcome as JSON here (and a table beside it, .md)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the scratch clone and its .venv (about 2 GB) for the next run; removed otherwise")
     args = parser.parse_args(argv)
     tiers = [t for t in args.tiers.split(",") if t]
     if set(tiers) - {"fast", "full"} or not tiers:
@@ -188,6 +192,15 @@ def main(argv=None) -> int:
         parser.error(f"--scratch {scratch}: put it outside this checkout")
     logs = scratch.parent / f"{scratch.name}-logs"
     logs.mkdir(parents=True, exist_ok=True)
+    try:
+        return plant_all(args, tiers, mutants, scratch, logs)
+    finally:
+        if not args.keep:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def plant_all(args: argparse.Namespace, tiers: list[str], mutants: list[Mutant], scratch: Path, logs: Path) -> int:
+    """Set up the scratch clone, check the unmutated copy, then plant and judge each mutant; 0 when all are caught."""
     t_start = time.monotonic()
     source = make_scratch(scratch)
     print(f"mutants: scratch copy of {source} in {scratch}; setting up its .venv (log: {logs / 'setup.log'})",
