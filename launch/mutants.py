@@ -192,17 +192,18 @@ def main(argv=None) -> int:
         parser.error(f"--scratch {scratch}: put it outside this checkout")
     logs = scratch.parent / f"{scratch.name}-logs"
     logs.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+    source = make_scratch(scratch)  # raises before anything is removed: a --scratch that is not a clone stays as it was
     try:
-        return plant_all(args, tiers, mutants, scratch, logs)
+        return plant_all(args, tiers, mutants, scratch, logs, source, t_start)
     finally:
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def plant_all(args: argparse.Namespace, tiers: list[str], mutants: list[Mutant], scratch: Path, logs: Path) -> int:
+def plant_all(args: argparse.Namespace, tiers: list[str], mutants: list[Mutant], scratch: Path, logs: Path,
+              source: str, t_start: float) -> int:
     """Set up the scratch clone, check the unmutated copy, then plant and judge each mutant; 0 when all are caught."""
-    t_start = time.monotonic()
-    source = make_scratch(scratch)
     print(f"mutants: scratch copy of {source} in {scratch}; setting up its .venv (log: {logs / 'setup.log'})",
           flush=True)
     with (logs / "setup.log").open("w") as f:

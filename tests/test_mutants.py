@@ -3,7 +3,10 @@ and planting then restoring a mutant leaves the file as it was (the script itsel
 
 import re
 import shutil
+import subprocess
 import sys
+
+import pytest
 
 from runs import REPO
 
@@ -37,3 +40,12 @@ def test_planting_changes_the_files_and_restoring_puts_them_back(tmp_path):
         for path, text in originals.items():
             path.write_text(text)
         assert {rel: (tmp_path / rel).read_text() for rel in before} == before, m.name
+
+
+def test_a_scratch_directory_that_is_not_a_clone_is_left_as_it_was(tmp_path):
+    scratch = tmp_path / "mine"
+    scratch.mkdir()
+    (scratch / "notes.txt").write_text("kept")
+    with pytest.raises(subprocess.CalledProcessError):  # git clone refuses a non-empty directory
+        mutants.main(["--scratch", str(scratch), "--only", "own-delta-twice", "--tiers", "full"])
+    assert (scratch / "notes.txt").read_text() == "kept"
