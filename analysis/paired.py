@@ -17,6 +17,8 @@ from pathlib import Path
 
 from scipy.stats import norm
 
+from nshard.cli import SPELLING_NOTE, ArgumentParser, prog
+
 
 class PairingError(ValueError):
     """Two per-case files that cannot be paired; the message names the case or the file."""
@@ -85,12 +87,17 @@ def read_correct(path: Path) -> dict[str, bool]:
     return out
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(prog=prog("nshard.analysis.paired"), description=__doc__,
+                            epilog="Writes nothing: prints one JSON line. " + SPELLING_NOTE)
     parser.add_argument("candidate", type=Path)
     parser.add_argument("control", type=Path)
     parser.add_argument("--confidence", type=float, default=0.99)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         result = paired_bounds(read_correct(args.candidate), read_correct(args.control), args.confidence)
     except (PairingError, ValueError, OSError) as exc:

@@ -22,6 +22,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from nshard.analysis.growth import growth_table, read_serving
+from nshard.cli import SPELLING_NOTE, ArgumentParser, prog
 from nshard.analysis.paired import PairingError, cases_for_one_loss, mean_interval, paired_bounds
 from nshard.analysis.validated import NotValidated, check_validated
 from nshard.evidence.commit import CommitError, check_committed_as, files_sha256, load_commitment, model_files
@@ -208,7 +209,19 @@ def execution_block(run_dir: Path, ranks: int, usd_per_gb: float, launch: dict |
             "update_bytes": per_update,
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in receipts),
             "peak_allocated_bytes": max((r["peak_allocated_bytes"] for r in receipts if "peak_allocated_bytes" in r),
-                                        default=None)}
+                                        default=None),
+            "throughput": throughput_block(receipts)}
+
+
+def throughput_block(receipts: list[dict]) -> dict | None:
+    """The slowest rank's whole-run throughput (every rank trains the same tokens; the slowest sets the pace), with
+    the FLOP count and the peak its MFU divides by; None for receipts written before nshard recorded it."""
+    runs = [r["throughput"] for r in receipts if (r.get("throughput") or {}).get("run")]
+    if len(runs) != len(receipts):
+        return None
+    slowest = max(runs, key=lambda t: t["run"]["update_s"])
+    return {**slowest["run"], "flops_count": slowest["flops_count"], "peak": slowest["peak"],
+            "devices": slowest["devices"]}
 
 
 # ---------------------------------------------------------------- screens
@@ -569,12 +582,33 @@ def execution_table(results: dict) -> str:
         ("Median compressed update (slowest rank)",
          lambda a, e: _num(e and e["phases"]["compressed"]["median_update_s"], "{:.3f} s")),
         ("Peak RSS per rank", lambda a, e: _num(e and e["peak_rss_bytes"] / 2**30, "{:.2f} GiB")),
+        ("Tokens/s, all (response), over the slowest rank's update seconds", lambda a, e: _tokens_cell(e)),
+        ("Achieved TFLOP/s, 6 x active parameters per token x document tokens", lambda a, e: _num(
+            (e.get("throughput") or {}).get("achieved_tflops"), "{:.4g}")),
+        ("MFU: achieved / peak (devices x one device's dense peak, its source)", lambda a, e: _mfu_cell(e)),
     ]
     lines = ["| Measurement | " + " | ".join(a["name"] for a in arms) + " |", "|" + "---|" * (len(arms) + 1)]
     for title, cell in rows:
         lines.append(f"| {title} | " + " | ".join(cell(a, e) if (e or title == "Ranks") else a["status"]
                                                 for a, e in zip(arms, ex)) + " |")
     return "\n".join(lines)
+
+
+def _tokens_cell(e: dict) -> str:
+    t = e.get("throughput")
+    return "—" if not t else f"{t['tokens_per_s']:,.0f} ({t['response_tokens_per_s']:,.0f})"
+
+
+def _mfu_cell(e: dict) -> str:
+    t = e.get("throughput")
+    if not t:
+        return "—"
+    peak = t["peak"]
+    if t["mfu"] is None:
+        return f"— (no peak: {peak['source']})"
+    source = peak["source"].split(" (")[0]
+    return (f"{_pct(t['mfu'])} of {t['peak_tflops']:.4g} TFLOP/s ({t['devices']} x {peak['tflops_per_device']:.4g}, "
+            f"{source})")
 
 
 def screen_lines(screen: dict) -> list[str]:
@@ -763,10 +797,14 @@ def write_outputs(study_dir: Path) -> dict:
     return results
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(prog=prog("nshard.analysis.report"), description=__doc__, epilog=SPELLING_NOTE)
     parser.add_argument("study_dir", type=Path)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         results = write_outputs(args.study_dir)
     except (StudyError, PairingError, OSError, KeyError, TypeError, ValueError) as exc:

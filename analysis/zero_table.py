@@ -13,6 +13,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from nshard.cli import SPELLING_NOTE, ArgumentParser, prog
+
 RUN_KEYS = ("status", "plan", "plan_sha256", "world_size", "zero_stage", "reducer")
 RECEIPT_KEYS = ("rank", "update_s", "update_grad_bytes", "update_compressed", "parameter_root", "peak_rss_bytes")
 # Per-rank values; the last three are absent from older receipts (and GPU peak from CPU runs).
@@ -240,10 +242,15 @@ def write_table(directory: str | Path) -> dict:
     return table
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    epilog = "Writes DIRECTORY/zero_table.md and zero_table.json; prints the table. " + SPELLING_NOTE
+    parser = ArgumentParser(prog=prog("nshard.analysis.zero_table"), description=__doc__, epilog=epilog)
     parser.add_argument("directory", help="the comparison directory (one run directory per arm)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         write_table(args.directory)
     except (TableError, OSError, KeyError, TypeError, ValueError) as exc:

@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from nshard.cli import SPELLING_NOTE, ArgumentParser
 from nshard.seam.launch_env import free_port
 from nshard.study.placement import emulated_hosts, emulation_unavailable
 
@@ -96,8 +97,8 @@ def table(rows: dict, args) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(description=__doc__, epilog=SPELLING_NOTE)
     parser.add_argument("--link", default="100mbit")
     parser.add_argument("--mib", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=10)
@@ -108,6 +109,11 @@ def main(argv=None) -> int:
     parser.add_argument("--master", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--way", choices=WAYS, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.mib < 1 or args.repeats < 1 or args.idle_s < 0:
         parser.error("--mib and --repeats must be at least 1, --idle_s not negative")

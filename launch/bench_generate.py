@@ -3,8 +3,8 @@ generate_answers on the plan's fresh cases, or transformers' generate on the sam
 bf16, one process on both cores or two processes of one core each side by side (two models scored at once), and
 whether repeated passes give the same token ids.
 
-    python -m launch.bench_generate [--model embedded] [--plan launch/plans/cpu-study.toml] [--eval-seed N] [--cases 64]
-        [--batch-size 16] [--max-new-tokens 40] [--dtypes float32,bfloat16] [--decoders greedy,hf]
+    python -m launch.bench_generate [--model embedded] [--plan launch/plans/cpu-study.toml] [--eval_seed N] [--cases 64]
+        [--batch_size 16] [--max_new_tokens 40] [--dtypes float32,bfloat16] [--decoders greedy,hf]
 
 Prints one JSON object: per setting, seconds per model (a side-by-side pair's wall time over two), each process's
 CPU seconds (what a busy machine's wall times hide), the correct count, and which settings gave identical token ids.
@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from nshard.cli import SPELLING_NOTE, ArgumentParser
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -92,7 +94,7 @@ def run_side_by_side(args, dtype: str, decoder: str, threads: int, copies: int, 
     procs = [subprocess.Popen([sys.executable, "-m", "launch.bench_generate", "--worker", str(o), "--dtypes", dtype,
                                "--decoders", decoder, "--model", args.model, "--plan", args.plan, *seed,
                                "--cases", str(args.cases), "--batch-size", str(args.batch_size),
-                               "--max-new-tokens", str(args.max_new_tokens)],
+                               "--max_new_tokens", str(args.max_new_tokens)],
                               cwd=REPO, env=env) for o in outs]
     if any(p.wait() != 0 for p in procs):
         raise SystemExit(f"bench_generate: a {dtype} worker failed")
@@ -104,14 +106,16 @@ def run_side_by_side(args, dtype: str, decoder: str, threads: int, copies: int, 
             "answers": [r["answers"] for r in rows]}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    epilog = ("Writes nothing that stays (its workers' files live in a temporary directory): prints one JSON "
+              "object. " + SPELLING_NOTE)
+    parser = ArgumentParser(description=__doc__, epilog=epilog)
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--plan", default=str(REPO / "launch/plans/cpu-study.toml"))
     parser.add_argument("--cases", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=40)
-    parser.add_argument("--eval-seed", type=int, help="cases of this evaluation seed (default: the plan's)")
+    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--max_new_tokens", type=int, default=40)
+    parser.add_argument("--eval_seed", type=int, help="cases of this evaluation seed (default: the plan's)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--decoders", default="greedy",
                         help="comma-separated: greedy (nshard's greedy_batch, answers cut once they cannot match: as "
@@ -119,7 +123,11 @@ def main(argv=None) -> int:
                              "batches, as nshard scored before)")
     parser.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.worker:
         worker(args.model, args.plan, args.eval_seed, args.cases, args.batch_size, args.max_new_tokens, args.dtypes,
                args.decoders, args.worker)

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from nshard.cli import SPELLING_NOTE, ArgumentParser
 
 REPO = Path(__file__).resolve().parent.parent
 HOSTS_SH = REPO / "launch" / "hosts.sh"
@@ -52,8 +53,8 @@ ARM_NOTES = {
 ARMS = tuple(ARM_NOTES)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(description=__doc__, epilog=SPELLING_NOTE)
     parser.add_argument("--rates", default="100mbit,1gbit", help="tc rates, comma-separated")
     parser.add_argument("--models", default="embedded,1.7b",
                         help="comma-separated: 135m or 1.7b (SmolLM2 shapes, random) or an nshard model spec (embedded, tiny)")
@@ -63,7 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=32, help="tokens per rank per update")
     parser.add_argument("--out", default="runs/bench_link", help="directory for the JSON, plot and logs")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # the model a worker runs
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def rate_bits(rate: str) -> float:
@@ -199,8 +204,14 @@ def measure(update, ledger, counters) -> dict:
     dist.barrier()  # the peer has received everything this rank sent
     tx_end = tx_bytes("eth0")
     return {"seconds": seconds, "reduce_s": watch.read(), "kernel_tx_bytes": tx_end - tx_start,
-            "comms_logger_bytes": sum(logged.take().values()), "ledger_bytes": ledger() if ledger else None,
+            "comms_logger_bytes": collective_bytes(logged.take()), "ledger_bytes": ledger() if ledger else None,
             "all_reduce_bytes": counted.bytes - counted_before}
+
+
+def collective_bytes(taken: dict) -> int:
+    """What CollectiveCounter.take() counted this rank handing to collectives: DeepSpeed's gradient bytes, nshard's
+    reducer (as the logger saw it; None with the logger off) and the rest (delta sync's bytes are inside other_bytes)."""
+    return taken["deepspeed_grad_bytes"] + (taken["logged_reducer_bytes"] or 0) + taken["other_bytes"]
 
 
 def worker(args) -> None:

@@ -19,17 +19,23 @@ import sys
 import time
 from pathlib import Path
 
+from nshard.cli import SPELLING_NOTE, ArgumentParser
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    epilog = ("Writes nothing: prints one line per size and a table. " + SPELLING_NOTE)
+    parser = ArgumentParser(description=__doc__, epilog=epilog)
     parser.add_argument("--plan", default="launch/plans/demo.toml")
     parser.add_argument("--ds_config", default="ds_configs/dense.json")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--updates", type=int, default=3, help="timed updates per size (after one warm-up)")
     parser.add_argument("--batch_docs", type=int, default=8, help="documents per update (the longest of the plan)")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if not args.one:
         return compare(args)
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",

@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from nshard.cli import SPELLING_NOTE, ArgumentParser
 from launch.memory_probe import arm_ds_config, parse_arm
 from nshard.seam.launch_env import free_port
 from nshard.study.placement import emulated_hosts, emulation_unavailable
@@ -32,8 +33,8 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_ARMS = "s0-powersgd,s2-powersgd,s2-powersgd-delta4,s2-powersgd-delta2"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(description=__doc__, epilog=SPELLING_NOTE)
     parser.add_argument("--link", default="100mbit", help="tc rate of the link between the hosts")
     parser.add_argument("--plan", default=str(REPO / "launch/plans/cpu-study.toml"), help="plan the arms train on")
     parser.add_argument("--updates", type=int, default=4, help="updates per arm (the plan's are replaced)")
@@ -42,7 +43,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rank", type=int, default=32, help="PowerSGD rank")
     parser.add_argument("--out", default=str(REPO / "runs/bench-pooled"))
     parser.add_argument("--timeout_s", type=float, default=1800, help="wall-clock limit per arm")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def short_plan(plan: Path, updates: int, out: Path) -> Path:

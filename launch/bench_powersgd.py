@@ -17,6 +17,7 @@ os.environ["OMP_NUM_THREADS"] = "1"  # before torch: two ranks x two OpenMP thre
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from nshard.cli import SPELLING_NOTE, ArgumentParser  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -195,14 +196,19 @@ def print_model(model: ModelShape, layers: int, rank: int, measured: dict) -> No
           f"{median['nshard'] / median['dense']:.3f}x, nshard/floor bytes {measured['nshard'][1] / floor:.4f}x")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    epilog = ("Writes nothing: prints bytes and times per arm. " + SPELLING_NOTE)
+    parser = ArgumentParser(description=__doc__.splitlines()[0], epilog=epilog)
     parser.add_argument("--rank", type=int, default=32, help="PowerSGD rank for both implementations")
     parser.add_argument("--updates", type=int, default=3, help="timed updates per arm (median reported)")
     parser.add_argument("--layers", type=int, default=None,
                         help="first K layers of each model (default: all 30 of 135M, 1 of 1.7B)")
     parser.add_argument("--models", default="135m,1.7b", help="comma-separated subset of: 135m, 1.7b")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     for key in args.models.split(","):
         model = MODELS[key]
         layers = min(args.layers if args.layers is not None else model.default_layers, model.layers)

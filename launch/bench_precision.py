@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from nshard.cli import SPELLING_NOTE, ArgumentParser
+
 MODES = ("fp32", "bf16", "autocast")
 
 
@@ -37,8 +39,9 @@ def mode_config(base: dict, mode: str) -> dict:
     return config
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    epilog = ("Writes nothing unless --json FILE is given: prints a table. " + SPELLING_NOTE)
+    parser = ArgumentParser(description=__doc__, epilog=epilog)
     parser.add_argument("--plan", default="launch/plans/cpu-study.toml")
     parser.add_argument("--ds_config", default="ds_configs/cpu-dense.json")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
@@ -46,7 +49,11 @@ def main(argv=None) -> int:
     parser.add_argument("--updates", type=int, default=2, help="timed updates per point (after one warm-up)")
     parser.add_argument("--batch_docs", type=int, default=8, help="documents per update (the plan's longest)")
     parser.add_argument("--json", help="also write the rows here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     from nshard.seam.ds_config import bf16_units
 
     base = json.loads(Path(args.ds_config).read_text())

@@ -8,6 +8,13 @@ An attempt ends "complete", "out of memory" (the kernel OOM-killed a rank: its g
 moved; DeepSpeed's launcher then kills the other rank), "timeout" or "failed". Writes capacity.json,
 capacity.md and capacity.png (trainable parameters against the per-rank cap, one line per configuration)
 into --out; every run directory keeps its receipts (peak RSS, bytes per update).
+
+With --plan it launches nothing: it prints, for every arm of each plan, the memory model's predicted per-rank peak
+(analysis/memory_model.py plan_peak, what nshard/train.py checks before launch) on each GPU of --devices, and the
+fix for each that does not fit:
+
+    .venv/bin/python -m launch.capacity --plan launch/plans/study.toml --plan launch/plans/gpu-check.toml
+    .venv/bin/python -m launch.capacity --plan launch/plans/growth.toml --model HuggingFaceTB/SmolLM2-1.7B-Instruct
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-from nshard.analysis.memory_model import DEFAULT_BASELINE_BYTES, Config, capacity, measured_bytes, smollm2_1_7b  # noqa: E402
+from nshard.cli import SPELLING_NOTE, ArgumentParser  # noqa: E402
+from nshard.analysis.memory_model import (DEFAULT_BASELINE_BYTES, GPUS, Config, capacity, measured_bytes,  # noqa: E402
+                                          plan_peak, smollm2_1_7b)
 from launch.memory_probe import arm_ds_config, build_1_7b_shaped, parse_arm, run_capped, write_plan  # noqa: E402
 
 DEFAULT_CONFIGS = ("s0-dense-1r", "s2-dense", "s2-powersgd", "s1-dense", "s1-powersgd")
@@ -141,8 +150,42 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def plan_rows(plan_path: Path, model: str | None, devices: list[str]) -> list[dict]:
+    """One row per arm of the plan and device: the predicted peak, whether it fits, and the fix if not."""
+    from nshard.run.plan import load_plan
+    from nshard.seam.ds_config import load_ds_config
+
+    plan = load_plan(plan_path)
+    if plan.cohort.enabled and model is None:
+        source = Path(plan.cohort.from_study) / "plan.toml"  # the accepted study's own plan names its model
+        if not source.is_file():
+            raise ValueError(f"{plan_path}: its model is the accepted candidate of {plan.cohort.from_study}, which is not "
+                             "here: give --model (the study's model.spec)")
+        model = load_plan(source).model.spec
+    rows = []
+    for arm in plan.study.arms:
+        ds_path = Path(arm.ds_config) if Path(arm.ds_config).is_file() else REPO / arm.ds_config
+        for device in devices:
+            report = plan_peak(plan, load_ds_config(ds_path), arm.ranks, device, spec=model, grown=arm.grown)
+            rows.append({"plan": plan_path.name, "arm": arm.name, "ranks": arm.ranks, "ds_config": arm.ds_config,
+                         "device": report["device"], **{k: report[k] for k in (
+                             "config", "params", "peak_phase", "peak_bytes", "usable_bytes", "fits", "fix", "parts")}})
+    return rows
+
+
+def render_plans(rows: list[dict]) -> str:
+    head = ["plan", "arm", "ranks", "config", "params (M)", "device", "predicted peak / rank (GiB)", "usable (GiB)",
+            "fits", "fix"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join([r["plan"], r["arm"], str(r["ranks"]), r["config"], f"{r['params'] / 1e6:.0f}",
+                                        r["device"], gib(r["peak_bytes"]), gib(r["usable_bytes"]),
+                                        "yes" if r["fits"] else "no", r["fix"] or ""]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(description=__doc__, epilog=SPELLING_NOTE)
     parser.add_argument("--cap_gib", default="6", help="per-rank cap(s), comma-separated; none: only --also's rows")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
     parser.add_argument("--out", default=str(REPO / "runs/capacity"))
@@ -151,7 +194,24 @@ def main(argv=None) -> int:
     parser.add_argument("--keep_models", action="store_true", help="keep the built models (GBs each)")
     parser.add_argument("--also", action="append", default=[],
                         help="another capacity directory whose rows join the table and plot (repeatable)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--plan", action="append", default=[],
+                        help="print the predicted per-rank peak of every arm of this plan instead (repeatable)")
+    parser.add_argument("--model", default=None, help="with --plan: the model spec, for a plan whose model is a "
+                                                      "cohort's accepted candidate")
+    parser.add_argument("--devices", default=",".join(GPUS), help=f"with --plan: GPUs ({', '.join(GPUS)}) or cpu")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.plan:
+        try:
+            rows = [r for p in args.plan for r in plan_rows(Path(p), args.model, args.devices.split(","))]
+        except (OSError, ValueError) as exc:
+            print(f"capacity: error: {exc}", file=sys.stderr)
+            return 2
+        print(render_plans(rows), end="")
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = [row for other in args.also for row in json.loads((Path(other) / "capacity.json").read_text())]

@@ -1,17 +1,24 @@
-"""The prepared GPU check (launch/gpu_check.sh): one GPU, at most 10 minutes, one JSON summary on stdout.
+"""The prepared GPU check (launch/gpu_check.sh): one GPU, 9 minutes by default, one JSON summary on stdout, every
+step's log in OUT/logs (docs/gpu.md, "The prepared GPU check").
 
-Steps: one-rank training of the embedded model on CUDA in fp32, bf16, fp32 with deterministic_cuda (its cost)
-and fp32 PowerSGD (the compression overhead per update against the dense step), with their receipts; greedy
-evaluation of 64 cases on the GPU, timed; the CUDA test set (NSHARD_CUDA_TESTS=1 pytest -m cuda). Logs go to
-OUT/logs/. --dry-run lists every step with its command and checks every plan and ds_config as the GPU would
-take it (nshard.trainer.preflight with CUDA present), running nothing that needs a GPU.
+Steps, most important first: the reducers on two processes over gloo with CUDA tensors (launch/gpu_reducers.py);
+one-rank NCCL training at SmolLM2-135M's shapes with random weights through every path a GPU user runs (bf16 stage-0
+PowerSGD, ZeRO-2 bf16 PowerSGD with 4-bit delta sync, ZeRO-1 fp32 PowerSGD summing microbatches into the error
+memory, the 4-expert Mixtral grown from the 135M at ZeRO-2, fp32 and bf16 dense); a one-rank dense bf16 step of
+SmolLM2-1.7B's shapes with its peak memory beside the memory model's plan; PowerSGD's and delta sync's phases at
+1.7B shapes as shares of that step (launch/bench_phases.py); the CUDA test set. Each training step is checked
+against its receipts: a step about compression fails unless updates were compressed, a delta step unless delta
+syncs ran. --dry-run checks every step's inputs and arguments here, on any machine, and runs nothing on a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -21,40 +28,126 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-BUDGET_S = 600
+BUDGET_S = 540
 PLAN = REPO / "launch/plans/gpu-check.toml"
+WARMUP = 2
+"""Dense warm-up updates of every PowerSGD step: the rest of the plan's updates must be compressed."""
+MODELS = {"mixtral": "random:mixtral-4x135m", "1.7b": "random:smollm2-1.7b"}
+LARGE = {"updates": 4, "global_batch_docs": 32, "microbatch_docs": 4}
+"""The 1.7B step's [train]: the reference study's batch (launch/plans/study.toml), four updates."""
+DRY = "dry-run: listed and checked, not run"
+TARGET_GPU = "H200"
+"""The GPU the check is sized for: the dry run asks the memory model whether every training step fits one."""
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What a training step's receipts must show: what it is about."""
+
+    reducer: str
+    """receipt "reducer": "deepspeed" (DeepSpeed's all-reduce) or "powersgd"."""
+    stage: int
+    compute: str
+    """receipt precision.compute: "float32" or "bfloat16"."""
+    wrapper: str
+    """The optimizer DeepSpeed wraps around torch's AdamW."""
+    compressed: bool = False
+    """Every update after the warm-up compressed (and none otherwise)."""
+    error_sums: bool = False
+    """microbatch_sums = "error": each compressed update's microbatches summed in the error memory."""
+    delta_bits: int | None = None
+    """Delta parameter sync at these bits: a sync per update, its gap recorded."""
+    experts: int | None = None
+    """A sparse model with this many experts per layer."""
 
 
 @dataclass
 class Step:
     name: str
+    what: str
+    """What the step proves, one line (docs/gpu.md lists the same)."""
     command: list[str]
     timeout_s: int
+    min_s: int = 30
+    """Started only with at least this much of the budget left; else reported as skipped for the budget."""
     env: dict = field(default_factory=dict)
     run_dir: Path | None = None
-    """A training step's run directory (its receipts are summarized)."""
+    expect: Expect | None = None
+    result: Path | None = None
+    """A script step's JSON summary (its --out)."""
+    inputs: tuple[Path, Path] | None = None
+    """A training step's (plan, ds_config)."""
 
 
-def write_inputs(out: Path, model: str | None = None) -> dict[str, Path]:
-    """The ds_configs and plan the steps use, derived from the shipped ones and written into out/inputs; with `model`,
-    the plan's model spec replaced by it (a GPU host that cannot hold the embedded model's GGUF: "tiny")."""
+# ---------------------------------------------------------------- inputs
+
+
+def toml_text(data: dict) -> str:
+    """A plan dict (scalars and lists at the top, then one table per section) as TOML."""
+    def value(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        raise TypeError(f"plan value {v!r}: only scalars and lists are written")
+
+    lines = [f"{k} = {value(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    for section, body in data.items():
+        if isinstance(body, dict):
+            lines += ["", f"[{section}]"] + [f"{k} = {value(v)}" for k, v in body.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_inputs(out: Path) -> dict[str, Path]:
+    """The plans and ds_configs of the training steps, derived from launch/plans/gpu-check.toml and the shipped
+    ds_configs, written into out/inputs."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
     inputs = out / "inputs"
     inputs.mkdir(parents=True, exist_ok=True)
-    plan_text = PLAN.read_text()
-    if model is not None:
-        plan_text = plan_text.replace('spec = "embedded"', f"spec = {json.dumps(model)}", 1)
-        (inputs / "plan.toml").write_text(plan_text)
-    dense = json.loads((REPO / "ds_configs/dense.json").read_text())
-    powersgd = json.loads((REPO / "ds_configs/powersgd.json").read_text())
-    powersgd["nshard"]["dense_warmup_updates"] = 2
-    paths = {"fp32": REPO / "ds_configs/dense.json", "bf16": inputs / "dense-bf16.json",
-             "powersgd": inputs / "powersgd-warmup2.json", "plan": PLAN if model is None else inputs / "plan.toml",
-             "deterministic": inputs / "deterministic.toml"}
-    paths["bf16"].write_text(json.dumps({**dense, "bf16": {"enabled": True}}, indent=2))
-    paths["powersgd"].write_text(json.dumps(powersgd, indent=2))
-    paths["deterministic"].write_text(plan_text.replace('name = "gpu-check"', 'name = "gpu-check-deterministic"')
-                                      + "\n[checkpoint]\ndeterministic_cuda = true\n")
+    base = tomllib.loads(PLAN.read_text())
+    plans = {"135m": base,
+             "mixtral": {**base, "name": "gpu-check-mixtral", "model": {**base["model"], "spec": MODELS["mixtral"]}},
+             "1.7b": {**base, "name": "gpu-check-1.7b", "model": {**base["model"], "spec": MODELS["1.7b"]},
+                      "data": {**base["data"], "train_cases_per_family": 32}, "train": {**base["train"], **LARGE}}}
+    shipped = {name: json.loads((REPO / f"ds_configs/{name}.json").read_text())
+               for name in ("dense", "powersgd", "zero1", "zero2-powersgd")}
+    powersgd = {**shipped["powersgd"]["nshard"], "dense_warmup_updates": WARMUP}
+    configs = {
+        "fp32": shipped["dense"],
+        "bf16": {**shipped["dense"], "bf16": {"enabled": True}},
+        "bf16-powersgd": {**shipped["powersgd"], "bf16": {"enabled": True}, "nshard": powersgd},
+        "zero1-fp32-powersgd-error-sums": {**shipped["zero1"], "bf16": {"enabled": False},
+                                           "nshard": {**powersgd, "microbatch_sums": "error"}},
+        "zero2-bf16-powersgd-delta4": {**shipped["zero2-powersgd"], "nshard": {
+            **shipped["zero2-powersgd"]["nshard"], "dense_warmup_updates": WARMUP, "parameter_sync": "delta",
+            "delta_bits": 4, "delta_block": 256}},
+        "zero2-bf16-powersgd": {**shipped["zero2-powersgd"], "nshard": {
+            **shipped["zero2-powersgd"]["nshard"], "dense_warmup_updates": WARMUP}},
+    }
+    paths = {}
+    for name, plan in plans.items():
+        paths[f"plan-{name}"] = _write(inputs / f"plan-{name}.toml", toml_text(plan))
+    for name, config in configs.items():
+        paths[name] = _write(inputs / f"{name}.json", json.dumps(config, indent=2) + "\n")
     return paths
+
+
+def _write(path: Path, text: str) -> Path:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path
+
+
+# ---------------------------------------------------------------- steps
 
 
 def steps(out: Path, inputs: dict[str, Path]) -> list[Step]:
@@ -62,138 +155,430 @@ def steps(out: Path, inputs: dict[str, Path]) -> list[Step]:
 
     py = sys.executable
     deepspeed = str(Path(py).with_name("deepspeed"))
+    results = out / "results"
 
-    def train(name: str, ds_config: Path, plan: Path = inputs["plan"]) -> Step:
+    def train(name: str, what: str, config: str, expect: Expect, plan: str = "135m", timeout_s: int = 150,
+              min_s: int = 45) -> Step:
         run_dir = out / name
-        return Step(name, [deepspeed, "--num_gpus", "1", "--master_port", str(free_port()), str(REPO / "nshard/train.py"),
-                           "--ds_config", str(ds_config), "--plan", str(plan), "--out", str(run_dir), "--overwrite"],
-                    120, run_dir=run_dir)
+        plan_path, ds_config = inputs[f"plan-{plan}"], inputs[config]
+        return Step(name, what, [deepspeed, "--num_gpus", "1", "--master_port", str(free_port()),
+                                 str(REPO / "nshard/train.py"), "--ds_config", str(ds_config), "--plan", str(plan_path),
+                                 "--out", str(run_dir), "--overwrite"],
+                    timeout_s, min_s, run_dir=run_dir, expect=expect, inputs=(plan_path, ds_config))
 
-    fp32 = out / "train-fp32"
+    zero, unfused = "DeepSpeedZeroOptimizer", "FP16_UnfusedOptimizer"
     return [
-        Step("environment", [py, "-c", "import json, torch; print(json.dumps({'torch': torch.__version__, "
-                                       "'cuda': torch.version.cuda, 'gpu': torch.cuda.get_device_name(0)}))"], 60),
-        train("train-fp32", inputs["fp32"]),
-        train("train-bf16", inputs["bf16"]),
-        Step("evaluate-64", [py, "-m", "nshard.study.evaluate", "--run", str(fp32), "--model", str(fp32 / "model"),
-                             "--label", "gpu-check", "--out", str(out / "eval"), "--exploratory", "--batch-size", "64"],
-             90),
-        train("train-powersgd", inputs["powersgd"]),
-        train("train-fp32-deterministic", inputs["fp32"], inputs["deterministic"]),
-        Step("cuda-tests", [py, "-m", "pytest", "-n", "0", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda.py"],
-             300, env={"NSHARD_CUDA_TESTS": "1"}),
+        Step("environment", "torch sees a CUDA device: its name, memory, torch and CUDA versions",
+             [py, "-c", "import json, torch; p = torch.cuda.get_device_properties(0); print(json.dumps({'torch': "
+                        "torch.__version__, 'cuda': torch.version.cuda, 'gpu': p.name, 'memory_bytes': p.total_memory}))"],
+             60, 10),
+        Step("reducers-two-processes", "dense and PowerSGD reducers on 2 processes over gloo with CUDA tensors at real "
+             "shapes: ranks bit-identical, CPU within fp32 tolerance, delta codec bits equal to the CPU's",
+             [py, str(REPO / "launch/gpu_reducers.py"), "--device", "cuda", "--out", str(results / "reducers.json")],
+             150, 40, result=results / "reducers.json"),
+        train("train-bf16-powersgd", "bf16 stage 0 through nshard's PowerSGD (ingest seam, HandOver)", "bf16-powersgd",
+              Expect("powersgd", 0, "bfloat16", unfused, compressed=True)),
+        train("train-zero2-bf16-powersgd-delta4", "ZeRO-2 bf16 PowerSGD (partition writer) with 4-bit delta sync",
+              "zero2-bf16-powersgd-delta4", Expect("powersgd", 2, "bfloat16", zero, compressed=True, delta_bits=4)),
+        train("train-zero1-fp32-powersgd-error-sums", "ZeRO-1 fp32 PowerSGD, microbatch_sums = \"error\" (SummedUpdate)",
+              "zero1-fp32-powersgd-error-sums", Expect("powersgd", 1, "float32", zero, compressed=True, error_sums=True)),
+        train("train-mixtral-zero2-powersgd", "the 4-expert Mixtral grown from the 135M, ZeRO-2 bf16 PowerSGD", "zero2-bf16-powersgd",
+              Expect("powersgd", 2, "bfloat16", zero, compressed=True, experts=4), plan="mixtral", timeout_s=180),
+        train("train-fp32", "fp32 dense, DeepSpeed's all-reduce: the baseline step", "fp32",
+              Expect("deepspeed", 0, "float32", "AdamW")),
+        train("train-bf16", "bf16 dense, DeepSpeed's all-reduce: the baseline step", "bf16",
+              Expect("deepspeed", 0, "bfloat16", unfused)),
+        train("train-1.7b-bf16", "SmolLM2-1.7B shapes, one rank, bf16 dense: peak memory against the memory model's "
+              "plan, and the dense step the phases are shares of", "bf16", Expect("deepspeed", 0, "bfloat16", unfused),
+              plan="1.7b", timeout_s=300, min_s=150),
+        Step("bench-phases-1.7b", "PowerSGD's phases and delta encode/apply (850M elements) at 1.7B shapes, "
+             "synchronized, as shares of the 1.7B dense bf16 step",
+             [py, str(REPO / "launch/bench_phases.py"), "--device", "cuda", "--dense-step-receipt",
+              str(out / "train-1.7b-bf16/receipts/rank-0.json"), "--out", str(results / "bench-phases.json")],
+             180, 45, result=results / "bench-phases.json"),
+        Step("cuda-tests", "the CUDA test set (tests/test_cuda.py), with the time that is left",
+             [py, "-m", "pytest", "-n", "0", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+             300, 60, env={"NSHARD_CUDA_TESTS": "1"}),
     ]
 
 
-def check_inputs(inputs: dict[str, Path]) -> list[str]:
-    """Every training step's plan and ds_config through the trainer's own preflight, and the optimizer rule as a
-    CUDA host applies it (no GPU needed)."""
-    from nshard.seam.ds_config import check_optimizer_path, load_ds_config
-    from nshard.run.plan import load_plan
-    from nshard.run.training import preflight
+# ---------------------------------------------------------------- what each step must show
 
-    checked = []
-    for ds in ("fp32", "bf16", "powersgd"):
-        config = load_ds_config(inputs[ds])
-        check_optimizer_path(config, cuda=True)
-        for plan in ("plan", "deterministic"):
-            preflight(load_plan(inputs[plan]), config, 1)
-            checked.append(f"{inputs[plan].name} + {inputs[ds].name}")
-    return checked
+
+def median_updates(receipt: dict, compressed: bool) -> float | None:
+    times = [s for s, c in zip(receipt["update_s"], receipt["update_compressed"]) if c == compressed]
+    return statistics.median(times) if times else None
+
+
+def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
+    """rank 0's receipt and metrics.jsonl's records (OSError or ValueError if either is missing or broken)."""
+    receipt = json.loads((run_dir / "receipts" / "rank-0.json").read_text())
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return receipt, metrics
+
+
+def training_checks(expect: Expect, receipt: dict, metrics: list[dict], updates: int, cuda: bool = True
+                    ) -> tuple[list[str], list[str]]:
+    """(what held, what failed) of one training step's receipt and metrics against what the step is about."""
+    held, failed = [], []
+
+    def check(ok: bool, text: str) -> None:
+        (held if ok else failed).append(text)
+
+    compressed = sum(bool(c) for c in receipt.get("update_compressed", []))
+    ran = receipt.get("reduction_ran") or {}
+    check(receipt.get("updates") == updates == len(metrics), f"{updates} updates in the receipt and metrics.jsonl "
+          f"(receipt {receipt.get('updates')}, metrics {len(metrics)})")
+    check(all(math.isfinite(m.get("loss", math.nan)) for m in metrics), "every update's loss is finite")
+    device, backend = ("cuda", "nccl") if cuda else ("cpu", "gloo")
+    check(str(receipt.get("device")).startswith(device), f"trained on {device} (receipt: {receipt.get('device')})")
+    check((receipt.get("link") or {}).get("backend") == backend, f"process group {backend}")
+    if cuda:
+        check((receipt.get("peak_allocated_bytes") or 0) > 0, "GPU peak memory recorded")
+    check(receipt.get("zero_stage") == expect.stage, f"ZeRO stage {expect.stage} (receipt: {receipt.get('zero_stage')})")
+    check(receipt.get("reducer") == expect.reducer, f"reducer {expect.reducer} (receipt: {receipt.get('reducer')})")
+    check((receipt.get("precision") or {}).get("compute") == expect.compute, f"computed in {expect.compute}")
+    check((receipt.get("optimizer") or {}).get("wrapper") == expect.wrapper,
+          f"optimizer {expect.wrapper} (receipt: {receipt.get('optimizer')})")
+    link = receipt.get("link") or {}
+    compared = [link.get(k) for k in ("ledger_matches_logger", "delta_matches_logger") if link.get(k) is not None]
+    if compared:
+        check(all(compared), "the reducer ledger and delta bytes agree with DeepSpeed's comms logger")
+    else:
+        held.append("the reducer ledger and delta bytes: not compared (DeepSpeed's comms logger is off)")
+    if expect.compressed:
+        want = updates - WARMUP
+        check(compressed == want > 0, f"compressed updates {compressed}, expected {want} (> 0)")
+        calls = ran.get("nshard_compressed_calls")
+        check(calls == compressed and (calls or 0) > 0, f"reducer ledger: {calls} compressed calls (> 0)")
+    else:
+        check(compressed == 0, f"no compressed update (receipt: {compressed})")
+    if expect.error_sums:
+        sums = {m.get("microbatch_sums") for m in metrics if m.get("compressed")}
+        check(sums == {"error memory"}, f"compressed updates summed their microbatches in the error memory ({sums})")
+    if expect.delta_bits is not None:
+        gather = receipt.get("parameter_all_gather") or {}
+        calls = ((gather.get("calls") or {}).get("delta") or {}).get("calls", 0)
+        check(calls > 0, f"delta syncs ran ({calls} calls, > 0)")
+        sent = ((gather.get("calls") or {}).get("delta") or {}).get("bytes_sent", 0)
+        world = receipt.get("world_size", 1)
+        # One rank has no peer: the codec encodes and applies on the device, nothing is exchanged (delta's exchange
+        # on NCCL needs two GPUs; its gloo twin runs in the suite, tests/test_delta_sync.py).
+        check(sent > 0 if world > 1 else sent == 0,
+              f"delta bytes exchanged: {sent} ({'> 0' if world > 1 else '0 on one rank: codec only, no exchange'})")
+        check((gather.get("delta_codec") or {}).get("bits") == expect.delta_bits, f"delta codec at {expect.delta_bits} bits")
+        gaps = receipt.get("update_delta_gap") or []
+        check(len(gaps) == updates and all(math.isfinite(g) for g in gaps), f"a finite delta gap after each update")
+        check(any(g > 0 for g in gaps), "the codec quantized real changes (a gap > 0 after some update)")
+    if expect.experts is not None:
+        experts = receipt.get("experts") or {}
+        check(experts.get("experts") == expect.experts and (experts.get("layers") or 0) > 0,
+              f"a sparse model with {expect.experts} experts per layer (receipt: {experts.get('experts')})")
+    return held, failed
+
+
+def receipt_summary(receipt: dict) -> dict:
+    gib = lambda b: None if b is None else round(b / 2**30, 3)  # noqa: E731
+    ran = receipt.get("reduction_ran") or {}
+    phases = receipt.get("gpu_memory_by_phase") or {}
+    return {"median_dense_update_s": median_updates(receipt, False),
+            "median_compressed_update_s": median_updates(receipt, True),
+            "compressed_updates": sum(bool(c) for c in receipt["update_compressed"]),
+            "nshard_compressed_calls": ran.get("nshard_compressed_calls"),
+            "active_s": receipt.get("active_s"), "startup_s": (receipt.get("startup") or {}).get("s"),
+            "optimizer": receipt.get("optimizer"), "device": receipt.get("device"),
+            "peak_allocated_gib": gib(receipt.get("peak_allocated_bytes")),
+            "updates_peak_allocated_gib": gib((phases.get("updates") or {}).get("peak_allocated_bytes")),
+            "peak_reserved_gib": gib(receipt.get("peak_reserved_bytes")),
+            "expandable_segments": (receipt.get("expandable_segments") or {}).get("in_effect"),
+            "parameter_all_gather": (receipt.get("parameter_all_gather") or {}).get("call"),
+            "throughput": {k: ((receipt.get("throughput") or {}).get("run") or {}).get(k)
+                           for k in ("tokens_per_s", "achieved_tflops", "mfu")},
+            "link": {k: (receipt.get("link") or {}).get(k) for k in ("backend", "not_counted", "agree")}}
+
+
+def script_checks(step: Step, body: dict) -> list[str]:
+    """What a script step's JSON must show, beyond its own exit status."""
+    if step.name.startswith("reducers"):
+        failed = list(body.get("problems", ["no problems list in its output"]))
+        if not body.get("compressed_matrices"):
+            failed.append("PowerSGD compressed no matrix")
+        if body.get("ranks_bit_identical") is not True:
+            failed.append("the ranks' outputs or Q are not bit-identical")
+        return failed
+    failed = []
+    if body.get("shrunk"):
+        failed.append(f"shapes shrunk: {body['shrunk']}")
+    if not isinstance(body.get("share_of_dense_step"), dict):
+        failed.append(f"no shares: {body.get('share_of_dense_step')}")
+    if not (body.get("powersgd") or {}).get("compressed_matrices"):
+        failed.append("no compressed matrix timed")
+    return failed
+
+
+def tests_checks(log_text: str) -> list[str]:
+    summary = next((line for line in reversed(log_text.splitlines()) if " in " in line and ("passed" in line
+                    or "failed" in line or "error" in line or "skipped" in line)), "")
+    words = summary.split()
+    passed = next((int(w) for w, n in zip(words, words[1:]) if w.isdigit() and n.startswith("passed")), 0)
+    return [] if passed > 0 else [f"no CUDA test passed ({summary or 'no summary line'})"]
+
+
+# ---------------------------------------------------------------- running
+
+
+def run_step(step: Step, logs: Path, left_s: float, updates: dict[Path, int]) -> dict:
+    if left_s < step.min_s:
+        return {"status": f"skipped: the budget has {left_s:.0f} s left, the step needs about {step.min_s} s"}
+    t0 = time.perf_counter()
+    log = logs / f"{step.name}.log"
+    timeout = min(step.timeout_s, left_s)
+    with log.open("w") as f:
+        rc = run_in_own_group(step.command, {**os.environ, **step.env}, f, timeout)
+    if rc is None:
+        rc = (f"timeout after {timeout:.0f} s" if timeout >= step.timeout_s else
+              f"stopped after {timeout:.0f} s, what the budget had left (its own timeout: {step.timeout_s} s)")
+    result = {"seconds": round(time.perf_counter() - t0, 1), "log": str(log)}
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    tail = text.strip().splitlines()[-1:]
+    result["last_line"] = tail[0][-300:] if tail else ""
+    failed = [] if rc == 0 else [f"exit {rc}" if isinstance(rc, int) else str(rc)]
+    if step.expect is not None:
+        try:
+            receipt, metrics = read_run(step.run_dir)
+        except (OSError, ValueError) as exc:
+            failed.append(f"no receipts to check ({exc})")
+        else:
+            held, wrong = training_checks(step.expect, receipt, metrics, updates[step.inputs[0]])
+            result.update(receipt=receipt_summary(receipt), held=held)
+            failed += wrong
+        result["removed"] = remove_bulk(step.run_dir)
+    elif step.result is not None:
+        try:
+            body = json.loads(step.result.read_text())
+        except (OSError, ValueError) as exc:
+            failed.append(f"no JSON summary ({exc})")
+        else:
+            result["result"] = body
+            failed += script_checks(step, body)
+    elif step.name == "cuda-tests":
+        failed += tests_checks(text)
+    else:
+        body = next((line for line in reversed(text.splitlines()) if line.startswith("{")), None)
+        result["result"] = json.loads(body) if body else None
+    result["status"] = "ok" if not failed else f"failed: {'; '.join(failed)}"
+    return {"status": result.pop("status"), **result}
+
+
+def run_in_own_group(command: list[str], env: dict, log, timeout: float) -> int | None:
+    """The command's exit status, or None if it ran past `timeout`: then its whole process group (the deepspeed
+    launcher and the rank it started, a script and its spawned ranks) is stopped, so nothing it started holds the
+    GPU while the next step runs."""
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for sig in (signal.SIGTERM, signal.SIGKILL):  # TERM lets DeepSpeed's launcher stop its rank; KILL what is left
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+        return None
+
+
+def clear_outputs(plan: list[Step]) -> None:
+    """An earlier check's run directories and script results in OUT: removed before any step runs, so no step (or
+    the benchmark reading the 1.7B step's receipt) can read what another check left."""
+    for step in plan:
+        if step.run_dir is not None:
+            shutil.rmtree(step.run_dir, ignore_errors=True)
+        if step.result is not None:
+            step.result.unlink(missing_ok=True)
+
+
+def remove_bulk(run_dir: Path) -> list[str]:
+    """A training step's complete state and export (GBs; the check reads the receipts): removed, so the steps fit
+    a lent machine's disk."""
+    removed = []
+    for name in ("state", "model"):
+        if (run_dir / name).exists():
+            shutil.rmtree(run_dir / name, ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+def memory_against_plan(step: Step, results: dict) -> dict | str:
+    """The 1.7B step's measured GPU peaks beside analysis/memory_model.py's plan_peak for its plan and ds_config on this
+    GPU: its tensors (allocated_bytes, what torch.cuda.max_memory_allocated measures) and its whole peak."""
+    result = results.get(step.name, {})
+    if not result.get("status", "").startswith("ok"):
+        return f"missing: {step.name} did not pass ({result.get('status', 'not run')})"
+    receipt, _ = read_run(step.run_dir)
+    predicted = plan_for(step, "cuda")
+    if isinstance(predicted, str):
+        return predicted
+    measured = receipt.get("peak_allocated_bytes")
+    updates = ((receipt.get("gpu_memory_by_phase") or {}).get("updates") or {}).get("peak_allocated_bytes")
+    if not (measured and updates and predicted.get("allocated_bytes")):
+        return (f"missing: measured peak {measured}, updates' peak {updates}, predicted allocation "
+                f"{predicted.get('allocated_bytes')}")
+    return {"measured_peak_allocated_bytes": measured, "updates_peak_allocated_bytes": updates,
+            "measured_peak_reserved_bytes": receipt.get("peak_reserved_bytes"),
+            "predicted_allocated_bytes": predicted["allocated_bytes"], "predicted_peak_bytes": predicted.get("peak_bytes"),
+            "predicted_peak_phase": predicted.get("peak_phase"), "device": predicted.get("device"),
+            "capacity_bytes": predicted.get("capacity_bytes"), "fits": predicted.get("fits"),
+            "updates_peak_over_predicted_allocated": updates / predicted["allocated_bytes"]}
+
+
+def plan_for(step: Step, device) -> dict | str:
+    """plan_peak(plan, ds_config, 1, device) for a training step, or 'missing: why'."""
+    try:
+        from nshard.analysis.memory_model import plan_peak
+    except ImportError as exc:
+        return f"missing: analysis/memory_model.py has no plan_peak ({exc})"
+    from nshard.run.models import resolve_model
+    from nshard.run.plan import load_plan
+    from nshard.seam.ds_config import load_ds_config
+
+    plan_path, ds_path = step.inputs
+    try:
+        plan = load_plan(plan_path)
+        model_dir = resolve_model(plan.model.spec).path  # a random model's directory: its config.json, no weights
+        return plan_peak(plan, load_ds_config(ds_path), 1, device=device, model_dir=model_dir)
+    except Exception as exc:  # noqa: BLE001 -- reported as the figure's absence, with the reason
+        return f"missing: plan_peak failed ({type(exc).__name__}: {exc})"
+
+
+def overhead(results: dict, compressed_step: str, dense_step: str) -> float | str:
+    """A compressed step's median compressed update over the dense step's median update, minus one."""
+    c = (results.get(compressed_step, {}).get("receipt") or {}).get("median_compressed_update_s")
+    d = (results.get(dense_step, {}).get("receipt") or {}).get("median_dense_update_s")
+    if not (c and d):
+        return (f"missing: {compressed_step} ({results.get(compressed_step, {}).get('status', 'not run')}) and "
+                f"{dense_step} ({results.get(dense_step, {}).get('status', 'not run')}) both needed")
+    return c / d - 1
+
+
+def derived(results: dict, plan: list[Step]) -> dict:
+    """The figures the check exists for, each a number (or a dict of them) or 'missing: why'."""
+    by_name = {s.name: s for s in plan}
+    bench = (results.get("bench-phases-1.7b") or {}).get("result") or {}
+    shares = bench.get("share_of_dense_step")
+    return {
+        "bf16_powersgd_update_over_bf16_dense_update_minus_1": overhead(results, "train-bf16-powersgd", "train-bf16"),
+        "zero1_fp32_powersgd_update_over_fp32_dense_update_minus_1":
+            overhead(results, "train-zero1-fp32-powersgd-error-sums", "train-fp32"),
+        "zero2_bf16_delta4_update_over_bf16_dense_update_minus_1":
+            overhead(results, "train-zero2-bf16-powersgd-delta4", "train-bf16"),
+        "memory_1_7b": memory_against_plan(by_name["train-1.7b-bf16"], results),
+        "phase_share_of_1_7b_dense_bf16_step": shares if isinstance(shares, dict) else
+            f"missing: bench-phases-1.7b gave no shares ({shares or results.get('bench-phases-1.7b', {}).get('status', 'not run')})",
+    }
+
+
+# ---------------------------------------------------------------- dry run
+
+
+def dry_check(step: Step) -> dict:
+    """A step's inputs and arguments, checked as far as a machine without a GPU can: a training step's plan and
+    ds_config through the trainer's own checks with CUDA assumed (the model spec resolved, the data prepared with its
+    tokenizer, the memory plan); a script with --check-only."""
+    if step.expect is not None:
+        return check_training_inputs(step)
+    if step.result is not None:
+        proc = subprocess.run(step.command + ["--check-only"], cwd=REPO, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{step.command[1]} --check-only exit {proc.returncode}: {proc.stderr[-800:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    return {}
+
+
+def check_training_inputs(step: Step) -> dict:
+    from nshard.run import data as data_mod
+    from nshard.run.models import load_tokenizer, resolve_model
+    from nshard.run.plan import load_plan
+    from nshard.run.replay import replay_documents
+    from nshard.run.training import preflight
+    from nshard.seam.ds_config import check_optimizer_path, load_ds_config, reducer_config
+
+    plan_path, ds_path = step.inputs
+    plan, config = load_plan(plan_path), load_ds_config(ds_path)
+    reducer_config(config)
+    check_optimizer_path(config, cuda=True)
+    preflight(plan, config, 1)
+    ref = resolve_model(plan.model.spec)
+    tokenizer = load_tokenizer(ref)
+    docs, prepared, schedule, _, _ = data_mod.prepare(plan, tokenizer, replay_documents(plan, ref, tokenizer))
+    memory = plan_for(step, TARGET_GPU)
+    if isinstance(memory, str):
+        raise RuntimeError(f"memory plan {memory}")
+    if not memory.get("fits"):
+        raise RuntimeError(f"the memory model says it does not fit one {memory.get('device')}: "
+                           f"{memory.get('peak_bytes')} bytes predicted; fix: {memory.get('fix')}")
+    return {"model": plan.model.spec, "documents": len(docs), "updates": len(schedule),
+            "longest_document_tokens": max(len(p.input_ids) for p in prepared),
+            "memory_plan": {k: memory.get(k) for k in ("device", "allocated_bytes", "peak_bytes", "fits")}}
 
 
 def listed_cuda_tests() -> list[str]:
     """The CUDA test set's test ids, as pytest collects them here (where each is skipped with its reason)."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "--collect-only", "-q", "-m", "cuda", "-p", "no:cacheprovider",
-                           "tests/test_cuda.py"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "--collect-only", "-q", "-m", "cuda", "-p",
+                           "no:cacheprovider", "tests/test_cuda.py"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
     return [line for line in proc.stdout.splitlines() if "::" in line]
 
 
-def run_step(step: Step, logs: Path, left_s: float) -> dict:
-    if left_s < 30:
-        return {"status": "skipped: the 10-minute budget ran out before this step"}
-    t0 = time.perf_counter()
-    log = logs / f"{step.name}.log"
-    with log.open("w") as f:
-        try:
-            rc = subprocess.run(step.command, cwd=REPO, env={**os.environ, **step.env}, stdout=f,
-                                stderr=subprocess.STDOUT, timeout=min(step.timeout_s, left_s)).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    result = {"status": "ok" if rc == 0 else f"failed ({rc}): see {log}", "seconds": round(time.perf_counter() - t0, 1)}
-    tail = log.read_text().strip().splitlines()[-1:] if log.is_file() else []
-    result["last_line"] = tail[0][-300:] if tail else ""
-    return result
-
-
-def receipt_summary(run_dir: Path) -> dict:
-    receipt = json.loads((run_dir / "receipts" / "rank-0.json").read_text())
-    dense = [s for s, c in zip(receipt["update_s"], receipt["update_compressed"]) if not c]
-    compressed = [s for s, c in zip(receipt["update_s"], receipt["update_compressed"]) if c]
-    gib = lambda b: None if b is None else round(b / 2**30, 3)  # noqa: E731
-    return {"median_dense_update_s": statistics.median(dense) if dense else None,
-            "median_compressed_update_s": statistics.median(compressed) if compressed else None,
-            "active_s": receipt["active_s"], "optimizer": receipt.get("optimizer"), "device": receipt.get("device"),
-            "peak_allocated_gib": gib(receipt.get("peak_allocated_bytes")),
-            "peak_reserved_gib": gib(receipt.get("peak_reserved_bytes")),
-            "gpu_memory_by_phase": receipt.get("gpu_memory_by_phase"),
-            "expandable_segments": receipt.get("expandable_segments"), "determinism": receipt.get("determinism"),
-            "link": {k: receipt.get("link", {}).get(k) for k in ("backend", "interface", "not_counted", "agree")}}
-
-
-def derived(results: dict) -> dict:
-    """The two costs the check exists for, from the training steps' receipts."""
-    def median(step: str, key: str):
-        return (results.get(step, {}).get("receipt") or {}).get(key)
-
-    dense, det = median("train-fp32", "median_dense_update_s"), median("train-fp32-deterministic", "median_dense_update_s")
-    compressed = median("train-powersgd", "median_compressed_update_s")
-    out = {"deterministic_over_default_step": det / dense if dense and det else None}
-    if dense and compressed:
-        out["compression_overhead_s_per_update"] = compressed - dense
-        out["compression_overhead_over_dense_step"] = (compressed - dense) / dense
-    return out
+# ---------------------------------------------------------------- main
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "gpu-check", help="directory for runs and logs")
     parser.add_argument("--dry-run", action="store_true", help="list and check every step; run nothing on a GPU")
-    parser.add_argument("--budget_s", type=int, default=BUDGET_S, help="seconds for all steps (default 600)")
-    parser.add_argument("--model", help="the training steps' model spec instead of the plan's embedded model (tiny, a "
-                                        "local directory, a hub id): for a host that cannot install the embedded one")
+    parser.add_argument("--budget_s", type=int, default=BUDGET_S, help=f"seconds for all steps (default {BUDGET_S})")
     args = parser.parse_args(argv)
-    logs = args.out / "logs"
+    out = args.out.resolve()
+    logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    inputs = write_inputs(args.out, args.model)
-    plan = steps(args.out, inputs)
-    summary = {"dry_run": args.dry_run, "budget_s": args.budget_s, "out": str(args.out), "model": args.model or "embedded",
-               "steps": {}}
-    if args.dry_run:
-        summary["checked_inputs"] = check_inputs(inputs)
-        summary["cuda_tests"] = listed_cuda_tests()
+    inputs = write_inputs(out)
+    plan = steps(out, inputs)
+    from nshard.run.plan import load_plan
+
+    updates = {p: load_plan(p).train.updates for k, p in inputs.items() if k.startswith("plan-")}
+    summary = {"dry_run": args.dry_run, "budget_s": args.budget_s, "out": str(out), "steps": {}}
+    if not args.dry_run:
+        clear_outputs(plan)
     began = time.perf_counter()
     for step in plan:
         print(f"gpu_check: {step.name}: {' '.join(step.command)}", file=sys.stderr, flush=True)
         if args.dry_run:
-            summary["steps"][step.name] = {"status": "dry-run: listed, not run", "command": step.command,
-                                           "env": step.env, "timeout_s": step.timeout_s}
+            entry = {"what": step.what, "command": step.command, "env": step.env, "timeout_s": step.timeout_s}
+            try:
+                entry["checked"] = dry_check(step)
+                entry["status"] = DRY
+            except Exception as exc:  # noqa: BLE001 -- every step is checked; each failure is reported with its cause
+                entry["status"] = f"failed: {type(exc).__name__}: {str(exc)[:600]}"
+            summary["steps"][step.name] = {"status": entry.pop("status"), **entry}
             continue
-        result = run_step(step, logs, args.budget_s - (time.perf_counter() - began))
-        if step.run_dir is not None and result["status"] == "ok":
-            result["receipt"] = receipt_summary(step.run_dir)
-        summary["steps"][step.name] = result
-    if not args.dry_run:
-        evaluation = args.out / "eval" / "summary.json"
-        if evaluation.is_file():
-            e = json.loads(evaluation.read_text())
-            summary["evaluation"] = {k: e.get(k) for k in ("cases", "correct", "generate_s", "retention_s", "device",
-                                                            "dtype", "batch_size")}
-        summary["derived"] = derived(summary["steps"])
+        summary["steps"][step.name] = run_step(step, logs, args.budget_s - (time.perf_counter() - began), updates)
+        print(f"gpu_check: {step.name}: {summary['steps'][step.name]['status']}", file=sys.stderr, flush=True)
+    if args.dry_run:
+        summary["cuda_tests"] = listed_cuda_tests()
+        if not summary["cuda_tests"]:
+            summary["steps"]["cuda-tests"]["status"] = "failed: pytest collected no CUDA test"
+    else:
+        summary["derived"] = derived(summary["steps"], plan)
         summary["total_s"] = round(time.perf_counter() - began, 1)
-    print(json.dumps(summary))
+    missing = [k for k, v in summary.get("derived", {}).items() if isinstance(v, str)]
     failed = [n for n, s in summary["steps"].items() if not s["status"].startswith(("ok", "dry-run"))]
-    return 1 if failed else 0
+    summary["ok"] = not failed and not missing
+    summary["not_ok"] = failed + [f"derived.{k}" for k in missing]
+    print(json.dumps(summary))
+    return 0 if summary["ok"] else 1
 
 
 if __name__ == "__main__":

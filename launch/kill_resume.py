@@ -21,6 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
+from nshard.cli import SPELLING_NOTE, ArgumentParser  # noqa: E402
 from nshard.seam.launch_env import free_port  # noqa: E402
 POWERSGD = {"reducer": "powersgd", "rank": 4, "dense_warmup_updates": 1}
 
@@ -59,14 +60,20 @@ def kill_point(rng: random.Random, updates: int, every: int) -> tuple[int, int, 
     return rng.randrange(2), rng.randint(every + 1, updates), "update"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    epilog = ("Writes nothing that stays (its runs live in a temporary directory): prints one line per trial. "
+              + SPELLING_NOTE)
+    parser = ArgumentParser(description=__doc__, epilog=epilog)
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2], help="ZeRO stages, taken in turn")
     parser.add_argument("--updates", type=int, default=8)
     parser.add_argument("--every", type=int, default=2, help="updates between complete states")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     rng = random.Random(args.seed)
     plan_text = (REPO / "launch/plans/tiny.toml").read_text().replace("updates = 3", f"updates = {args.updates}")
     plan_text += f"\n[checkpoint]\nevery = {args.every}\nreplica_check_every = 1\n"

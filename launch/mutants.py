@@ -34,6 +34,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from nshard.cli import SPELLING_NOTE, ArgumentParser
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -173,8 +174,10 @@ def check_baseline(what: str, outcome: Outcome, log: Path) -> None:
                          f"fix that first. Log: {log}")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    epilog = ("Writes the scratch clone (--scratch DIR, removed unless --keep), its logs in DIR-logs, and with "
+              "--record FILE the outcome as JSON and a table beside it (.md). " + SPELLING_NOTE)
+    parser = ArgumentParser(description=__doc__.split("\n")[0], epilog=epilog)
     parser.add_argument("--only", nargs="*", choices=[m.name for m in MUTANTS], help="these mutants only")
     parser.add_argument("--tiers", default="fast,full", help="comma-separated: fast, full (default both)")
     parser.add_argument("--whole", action="store_true", help="full tier: the whole suite with -x, not guards first")
@@ -182,6 +185,11 @@ def main(argv=None) -> int:
     parser.add_argument("--record", type=Path, help="write the outcome as JSON here (and a table beside it, .md)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the scratch clone and its .venv (about 2 GB) for the next run; removed otherwise")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     tiers = [t for t in args.tiers.split(",") if t]
     if set(tiers) - {"fast", "full"} or not tiers:

@@ -48,6 +48,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from nshard.cli import SPELLING_NOTE, ArgumentParser
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -315,8 +316,10 @@ def write_record(record: Path, body: dict) -> None:
     tmp.replace(record.with_suffix(".md"))
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    epilog = ("Writes each point's study under --out, and the record: RECORD.json and RECORD.md (--record). "
+              + SPELLING_NOTE)
+    parser = ArgumentParser(description=__doc__, epilog=epilog)
     parser.add_argument("--plan", default="launch/plans/cpu-study.toml")
     parser.add_argument("--ds_config", default="ds_configs/dense.json", help="the one-rank arm's ds_config to vary")
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-4, 2e-4, 4e-4])
@@ -349,6 +352,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dev_seed_offset", type=int, default=200)
     parser.add_argument("--out", default="runs/recipe-sweep")
     parser.add_argument("--record", default="launch/recipe/cpu-sweep", help="RECORD.json and RECORD.md are written")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.dev_seed_offset <= 0:
         parser.error("--dev_seed_offset must be positive: offset 0 is the final study's own data")

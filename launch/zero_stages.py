@@ -23,6 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
+from nshard.cli import SPELLING_NOTE, ArgumentParser  # noqa: E402
 from nshard.analysis.zero_table import TableError, write_table  # noqa: E402
 from nshard.seam.launch_env import free_port  # noqa: E402
 from nshard.run.plan import PlanError, load_plan  # noqa: E402  (no torch)
@@ -41,8 +42,10 @@ def at_least(low: int):
     return parse
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    epilog = ("Writes one run directory per arm under --out, then --out/zero_table.md and zero_table.json. "
+              + SPELLING_NOTE)
+    parser = ArgumentParser(description=__doc__, epilog=epilog)
     parser.add_argument("--plan", default=str(REPO / "launch/plans/tiny.toml"), help="experiment plan TOML")
     parser.add_argument("--out", default=str(REPO / "runs/zero-stages"), help="comparison directory")
     parser.add_argument("--rank", type=at_least(1), default=None,
@@ -53,7 +56,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="peak learning rate for every arm (default: the ds_configs' own); warm-up starts at lr/10")
     parser.add_argument("--overwrite", action="store_true", help="replace arms already in --out")
     parser.add_argument("--timeout_s", type=float, default=3600, help="wall-clock limit per arm")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def read_config(name: str) -> dict:

@@ -19,11 +19,13 @@ from pathlib import Path
 
 import torch
 
+from nshard.cli import SPELLING_NOTE, ArgumentParser, prog
 from nshard.evidence.commit import files_sha256, model_files
 from nshard.evidence.export import GROWN, MANIFEST, ManifestError, verify_manifest, write_manifest
 from nshard.files import file_sha256, staged_dir
 from nshard.run.plan import upcycling_problem
 from nshard.run.receipts import parameter_root
+from nshard.run.upcycle import upcycled_state
 
 CARRIED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
            "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
@@ -96,26 +98,6 @@ def mixtral_config(llama, growth: Growth):
     return MixtralConfig(**carried, num_local_experts=growth.experts, num_experts_per_tok=growth.top_k,
                          router_jitter_noise=0.0, output_router_logits=False, sliding_window=None,
                          router_aux_loss_coef=growth.aux_coef)
-
-
-def upcycled_state(dense: dict[str, torch.Tensor], n_layers: int, growth: Growth, hidden: int) -> dict:
-    """Mixtral tensors from Llama tensors: each layer's MLP copied into every expert (gate_up_proj [E, 2I, H] is
-    gate then up, as Mixtral chunks it; down_proj [E, H, I]), a seeded N(0, router_std) router (drawn in fp32,
-    stored in the source's dtype); the rest as is."""
-    state, generator = {}, torch.Generator().manual_seed(growth.seed)
-    dtype = next(iter(dense.values())).dtype
-    mlp = {f"model.layers.{i}.mlp.{p}_proj.weight" for i in range(n_layers) for p in ("gate", "up", "down")}
-    for name, tensor in dense.items():
-        if name not in mlp:
-            state[name] = tensor.clone()
-    for i in range(n_layers):
-        prefix = f"model.layers.{i}.mlp."
-        gate, up, down = (dense[f"{prefix}{p}_proj.weight"] for p in ("gate", "up", "down"))
-        state[f"{prefix}experts.gate_up_proj"] = torch.cat([gate, up]).unsqueeze(0).repeat(growth.experts, 1, 1)
-        state[f"{prefix}experts.down_proj"] = down.unsqueeze(0).repeat(growth.experts, 1, 1)
-        router = torch.empty(growth.experts, hidden).normal_(0.0, growth.router_std, generator=generator)
-        state[f"{prefix}gate.weight"] = router.to(dtype)
-    return state
 
 
 def upcycle(model_dir: Path, growth: Growth):
@@ -196,8 +178,11 @@ def grow(source: Path, out: Path, growth: Growth) -> dict:
     return manifest
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nshard.grow", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    epilog = (f"Writes --out DIR (new): the grown model as a transformers directory (safetensors, config, tokenizer), "
+              f"{GROWN} (source, method and settings) and {MANIFEST} (every file's SHA-256); prints one JSON line "
+              f"(out, parameter_root, parameters). {SPELLING_NOTE}")
+    parser = ArgumentParser(prog=prog("nshard.grow"), description=__doc__.split("\n\n")[0], epilog=epilog)
     parser.add_argument("--from", dest="source", required=True, type=Path,
                         help="an accepted study directory, or a finished nshard run directory")
     parser.add_argument("--out", required=True, type=Path, help="a new directory for the grown export")
@@ -207,7 +192,11 @@ def main(argv=None) -> int:
     parser.add_argument("--router_std", type=float, default=Growth.router_std)
     parser.add_argument("--aux_coef", type=float, default=Growth.aux_coef,
                         help="router_aux_loss_coef: the load-balancing loss's weight in training (0: none)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         manifest = grow(args.source, args.out, Growth(args.experts, args.top_k, args.seed, args.router_std, args.aux_coef))
     except GrowError as exc:

@@ -22,6 +22,8 @@ import sys
 import uuid
 from pathlib import Path
 
+from nshard.cli import SPELLING_NOTE, ArgumentParser, prog
+
 PACKAGES = ("torch", "deepspeed", "transformers")
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 NO_CHECKOUT, NO_PYTHON = 90, 91  # the remote shell's exit codes before the probe runs
@@ -217,15 +219,7 @@ def main(argv=None) -> int:
         return 0
     from nshard.run.hostfile import HostfileError
 
-    parser = argparse.ArgumentParser(prog="python -m nshard.hosts", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    cmd = sub.add_parser("check", help="check every host of a hostfile before a launch")
-    cmd.add_argument("--hostfile", required=True, help="the DeepSpeed hostfile the launch will use")
-    cmd.add_argument("--out", required=True, help="the run or study directory the launch will write (shared)")
-    cmd.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                     help="cuda: each host must see as many GPUs as its slots (auto: cuda if this machine has one)")
-    parsed = parser.parse_args(args)
+    parsed = build_parser().parse_args(args)
     try:
         problems = check(parsed.hostfile, parsed.out, parsed.device)
     except (HostfileError, OSError) as exc:
@@ -235,6 +229,19 @@ def main(argv=None) -> int:
         print(f"nshard: preflight: {line}", file=sys.stderr)
     say("every host agrees" if not problems else f"{len(problems)} problem(s); fix each line above and run it again")
     return 1 if problems else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    epilog = ("Writes nothing that stays: check leaves a probe file in --out on each host and removes it; it prints "
+              "one line per problem on stderr. " + SPELLING_NOTE)
+    parser = ArgumentParser(prog=prog("nshard.hosts"), description=__doc__, epilog=epilog)
+    sub = parser.add_subparsers(dest="command", required=True)
+    cmd = sub.add_parser("check", help="check every host of a hostfile before a launch")
+    cmd.add_argument("--hostfile", required=True, help="the DeepSpeed hostfile the launch will use")
+    cmd.add_argument("--out", required=True, help="the run or study directory the launch will write (shared)")
+    cmd.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                     help="cuda: each host must see as many GPUs as its slots (auto: cuda if this machine has one)")
+    return parser
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Entry point started by the deepspeed launcher (or torchrun, or mpirun): parse, build, run, close.
 
     deepspeed --hostfile hostfile nshard/train.py --ds_config ds_configs/dense.json [--plan P] [--out DIR]
-        [--overwrite | --resume]
+        [--set SECTION.KEY=VALUE ...] [--overwrite | --resume]
 """
 
 from __future__ import annotations
@@ -14,54 +14,84 @@ from pathlib import Path
 if __package__ in (None, ""):  # launched as a script path: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from nshard.cli import (SPELLING_NOTE, ArgumentParser, add_ds_config_arguments, add_plan_overrides,  # noqa: E402
+                        ds_config_path, plan_with_overrides)
 from nshard.seam.launch_env import prepare_process_env  # noqa: E402
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+EPILOG = """\
+Writes the run directory (--out, default runs/<plan name>): plan.toml and ds_config.json (copies of the plan and
+ds_config it ran; with --set, the plan with its overrides), run.json (status and identity), metrics.jsonl (one line
+per update), prepared/ (the tokenized inputs and their identity), receipts/rank-<r>.json, state/ (complete states
+for --resume) and model/ (the export, a transformers directory). docs/evidence.md#the-run-directory lists them.
+--resolved_ds_config FILE writes only FILE and trains nothing.
+""" + SPELLING_NOTE
+
+
+def build_parser() -> argparse.ArgumentParser:
     from nshard.run.plan import DEFAULT_PLAN
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ds_config", required=True, help="DeepSpeed JSON (optimizer, schedule, precision, ZeRO, nshard)")
+    parser = ArgumentParser(description=__doc__, epilog=EPILOG)
+    add_ds_config_arguments(parser)
     parser.add_argument("--plan", default=str(DEFAULT_PLAN), help="experiment plan TOML (default: the embedded demo)")
+    add_plan_overrides(parser)
     parser.add_argument("--out", default=None, help="run directory (default: runs/<plan name>)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run directory (--out) from its newest state that verifies")
-    parser.add_argument("--no-replay", action="store_true",
+    parser.add_argument("--no_replay", action="store_true",
                         help="train without replay documents or a first cohort's cases (a no-replay control)")
     parser.add_argument("--grown", type=Path, default=None,
                         help="a growth study's upcycled arm: train this grown export of the cohort's accepted "
                              "candidate (python -m nshard.grow) from its weights")
+    parser.add_argument("--resolved_ds_config", type=Path, metavar="FILE",
+                        help="write the ds_config as this launch hands it to DeepSpeed (batch keys from the plan and "
+                             "WORLD_SIZE, \"auto\" values decided on this machine, the \"nshard\" section left out) "
+                             "to FILE and exit")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.ds_config = ds_config_path(parser, args)
+    return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     prepare_process_env()
+    from nshard.files import write_json_atomic
     from nshard.run.data import DataError
     from nshard.seam.ds_config import DsConfigError, load_ds_config, reducer_config
     from nshard.run.plan import PlanError, load_plan
     from nshard.run.start import find_start, grown_start
     from nshard.run.state import find_resumable
-    from nshard.run.training import Run, RunError, preflight, run_training
+    from nshard.run.training import Run, RunError, check_memory, preflight, run_training
 
     try:  # bad input fails here, before any process group, run directory or model exists
         if args.resume and args.overwrite:
             raise ValueError("--resume continues a run directory and --overwrite replaces it: give one of them")
-        plan = load_plan(args.plan)
+        plan_path = plan_with_overrides(args.plan, args.set)  # the plan file itself, or one with the overrides
+        plan = load_plan(plan_path)
         ds_config = load_ds_config(args.ds_config)
         reducer = reducer_config(ds_config)  # the "nshard" section, parsed once and passed on
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        ds_config = preflight(plan, ds_config, world_size)  # completed from the plan, once
+        given_ds_config, ds_config = ds_config, preflight(plan, ds_config, world_size)  # completed from the plan, once
+        if args.resolved_ds_config:
+            write_json_atomic(args.resolved_ds_config, ds_config)
+            print(f"nshard: wrote {args.resolved_ds_config} (world size {world_size}); trained nothing")
+            return 0
         out = Path(args.out) if args.out else plan.run_dir()
-        resume_from = find_resumable(out, Path(args.plan), Path(args.ds_config), world_size) if args.resume else None
+        resume_from = find_resumable(out, plan_path, Path(args.ds_config), world_size) if args.resume else None
         start = find_start(plan, world_size) if plan.cohort.enabled else None  # a second cohort's accepted candidate
         if args.grown is not None:
             if start is None or start.kind != "weights":
                 raise ValueError("--grown trains a grown export of a cohort's accepted candidate: the plan needs "
                                  "[cohort] with start = \"weights\"")
             start = grown_start(start, args.grown)
+        check_memory(plan, given_ds_config, ds_config, world_size, start)  # the predicted peak fits this device
     except (PlanError, DsConfigError, DataError, RunError, OSError, ValueError) as exc:
         print(f"nshard: error: {exc}", file=sys.stderr)
         return 2
@@ -75,7 +105,7 @@ def main(argv=None) -> int:
     mark("imports and checks")
     init_distributed()
     mark("process group")
-    run = Run(plan, Path(args.plan), Path(args.ds_config), ds_config, out, dist.get_rank(), dist.get_world_size(),
+    run = Run(plan, plan_path, Path(args.ds_config), ds_config, out, dist.get_rank(), dist.get_world_size(),
               reducer, start, replay=not args.no_replay)
     try:
         run_training(run, overwrite=args.overwrite, resume_from=resume_from)
@@ -88,7 +118,8 @@ def main(argv=None) -> int:
         dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """`python nshard/train.py` and the nshard-train console script: main(), then the exit below."""
     code = main()
     # Every output is written, flushed and renamed, and the process group is destroyed: leave without the
     # interpreter's finalization, where gloo's and DeepSpeed's C++ threads are torn down and a rank of a complete run
@@ -101,3 +132,7 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    entry()

@@ -355,7 +355,9 @@ def powersgd_float64(world: int = 2) -> tuple[list[dict], list[dict], list[dict]
         if update >= REF_CONFIG["dense_warmup_updates"]:
             for name in q:
                 ms = [g[name] + e[name] for g, e in zip(grads, errors)]
-                p = torch.linalg.qr(sum(m @ q[name] for m in ms)).Q
+                # The QR with R's diagonal >= 0 (unique for full-rank P), the convention nshard's Q follows.
+                p, r = torch.linalg.qr(sum(m @ q[name] for m in ms))
+                p = p * torch.where(r.diagonal() < 0, -1.0, 1.0).double()
                 q[name] = sum(m.T @ p for m in ms) / world  # warm start: the next update projects onto this Q
                 out[name] = p @ q[name].T
                 for e, m in zip(errors, ms):

@@ -15,6 +15,7 @@ import torch
 from runs import REPO, final_params, launch, receipts, tiny_config
 from spawn import run_ranks
 from test_comm_powersgd import CONFIG, SHAPES, grads_for
+from test_gpu import GPU_CHECK_POWERSGD, gpu_check, tiny_step_run
 
 pytestmark = pytest.mark.cuda
 
@@ -127,3 +128,64 @@ def test_deterministic_cuda_runs_repeat_bit_for_bit(tmp_path):
                                           "cublas_workspace_config": ":4096:8"}
         roots.append(receipt["parameter_root"])
     assert roots[0] == roots[1]
+
+
+def summed_against_in_buffer(rank: int, world: int, device_type: str = "cuda") -> dict:
+    """PowerSGD on CUDA tensors two ways, fed the same gradients: reduce() in the gradients' buffers, and the
+    ingest seam's path (each matrix summed into error_sums(), reduce_summed(), outputs one by one: SummedUpdate),
+    both delivering bf16 as a bf16 run does. Returns each way's outputs, errors, Q and ledger. (device_type "cpu"
+    runs the same comparison on the CPU, where tests/test_comm_powersgd.py already makes it.)"""
+    from nshard.comm import build_reducer
+
+    cuda = torch.device(device_type, rank if device_type == "cuda" else None)
+    ways = {way: build_reducer({**CONFIG, "error_feedback": "device"}) for way in ("buffer", "summed")}
+    found = {way: {"outputs": []} for way in ways}
+    for reducer in ways.values():
+        reducer.register(SHAPES)
+        reducer.deliver_as({name: torch.bfloat16 for name in SHAPES})
+    for update in range(4):
+        grads = {n: g.to(cuda) for n, g in grads_for(rank, update).items()}
+        ways["buffer"].reduce(grads)
+        found["buffer"]["outputs"].append({n: g.cpu() for n, g in grads.items()})
+        grads = {n: g.to(cuda) for n, g in grads_for(rank, update).items()}
+        sums = ways["summed"].error_sums(cuda)
+        for name, target in sums.items():
+            target.add_(grads[name])
+        summed = ways["summed"].reduce_summed({n: g for n, g in grads.items() if n not in sums})
+        outputs = {n: g.cpu() for n, g in grads.items() if n not in sums}
+        outputs.update({name: summed.output(name).to("cpu", copy=True) for name in sorted(sums)})  # before finish()
+        summed.finish()
+        found["summed"]["outputs"].append(outputs)
+    for way, reducer in ways.items():
+        state = reducer.state_dict()
+        found[way].update(errors={n: e.cpu() for n, e in state["errors"].items()},
+                          q={n: q.cpu() for n, q in state["q"].items()}, ledger=reducer.ledger.records,
+                          places={e.device.type for e in state["errors"].values()})
+    return found
+
+
+def test_summed_update_on_cuda_gives_the_in_buffer_bits():
+    """SummedUpdate (ZeRO-1/2 and bf16's ingest path) on CUDA tensors: bit-identical outputs, errors and Q to reduce()
+    in the gradients' buffers, with the error memory on the GPU and updates compressed after the warm-up."""
+    seen = run_ranks(summed_against_in_buffer, world_size=1, backend="nccl", timeout_s=300)[0]
+    buffer, summed = seen["buffer"], seen["summed"]
+    assert buffer["places"] == summed["places"] == {"cuda"}
+    assert sum(r["compressed"] for r in summed["ledger"]) == 4 - CONFIG["dense_warmup_updates"] > 0
+    assert summed["ledger"] == buffer["ledger"]
+    for got, want in zip(summed["outputs"], buffer["outputs"], strict=True):
+        assert all(torch.equal(got[n], want[n]) for n in SHAPES)
+    assert all(torch.equal(summed["errors"][n], buffer["errors"][n]) for n in buffer["errors"])
+    assert all(torch.equal(summed["q"][n], buffer["q"][n]) for n in buffer["q"])
+
+
+@pytest.mark.parametrize("config_name", list(GPU_CHECK_POWERSGD))
+def test_the_gpu_checks_powersgd_paths_train_on_cuda(tmp_path, config_name):
+    """bf16 at stage 0 through nshard's reducer, ZeRO-2 bf16 with 4-bit delta sync, ZeRO-1 fp32 summing microbatches
+    into the error memory: launch/gpu_check.sh's ds_configs on the tiny model (rank 4, so it compresses), one NCCL
+    rank; the receipts pass every check the GPU check makes (compressed updates, delta syncs, error sums, device)."""
+    check = gpu_check()
+    step = next(s for s in check.steps(tmp_path, check.write_inputs(tmp_path))
+                if s.name == GPU_CHECK_POWERSGD[config_name])
+    receipt, metrics = tiny_step_run(tmp_path, config_name, rank=4, cuda=True)
+    held, failed = check.training_checks(step.expect, receipt, metrics, 3, cuda=True)
+    assert failed == [], failed

@@ -148,7 +148,7 @@ def heading_anchor(heading: str) -> str:
 
 
 def test_every_link_between_the_pages_finds_its_file_and_heading():
-    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
     pages = [p.resolve() for p in pages]
     anchors = {p: {heading_anchor(h) for h in re.findall(r"^#+ (.+)$", p.read_text(), re.M)} for p in pages}
     broken = []

@@ -239,19 +239,210 @@ def test_the_link_counter_says_when_it_cannot_count(monkeypatch, tmp_path):
     assert "excludes interfaces" in netcount.not_countable("nccl", tmp_path)
 
 
+GPU_CHECK_STEPS = ["environment", "reducers-two-processes", "train-bf16-powersgd", "train-zero2-bf16-powersgd-delta4",
+                   "train-zero1-fp32-powersgd-error-sums", "train-mixtral-zero2-powersgd", "train-fp32", "train-bf16",
+                   "train-1.7b-bf16", "bench-phases-1.7b", "cuda-tests"]
+
+
+def gpu_check():
+    sys.path.insert(0, str(REPO))
+    from launch import gpu_check as module
+
+    return module
+
+
+@pytest.mark.slow
 def test_the_gpu_check_lists_and_checks_every_step_in_a_dry_run(tmp_path):
+    """Every step listed in the order it runs, each checked as far as a CPU can: the training steps' plans and
+    ds_configs through the trainer's preflight with CUDA assumed, their random models resolved, data prepared and
+    the memory model saying they fit the H200; the scripts' arguments through their --check-only."""
     proc = subprocess.run(["bash", "launch/gpu_check.sh", "--dry-run", "--out", str(tmp_path / "check")], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     steps = summary["steps"]
-    assert list(steps) == ["environment", "train-fp32", "train-bf16", "evaluate-64", "train-powersgd",
-                           "train-fp32-deterministic", "cuda-tests"]
-    assert {s["status"] for s in steps.values()} == {"dry-run: listed, not run"}
+    assert list(steps) == GPU_CHECK_STEPS and summary["ok"] is True and summary["budget_s"] == 540
+    assert {s["status"] for s in steps.values()} == {gpu_check().DRY}
     assert all(f"gpu_check: {name}: " in proc.stderr for name in steps)
-    assert "--batch-size" in steps["evaluate-64"]["command"] and steps["cuda-tests"]["env"] == {"NSHARD_CUDA_TESTS": "1"}
-    assert len(summary["checked_inputs"]) == 6
+    training = {n: s["checked"] for n, s in steps.items() if n.startswith("train-")}
+    assert len(training) == 7 and all(c["memory_plan"]["fits"] and c["updates"] > 2 for c in training.values())
+    assert training["train-mixtral-zero2-powersgd"]["model"] == "random:mixtral-4x135m"
+    assert training["train-1.7b-bf16"]["model"] == "random:smollm2-1.7b"
+    assert "H200" in training["train-1.7b-bf16"]["memory_plan"]["device"]
+    assert len(steps["reducers-two-processes"]["checked"]["compressed_matrices"]) == 3
+    assert steps["bench-phases-1.7b"]["checked"]["compressed_matrices"] == 169  # 24 layers x 7 + the embedding
+    assert steps["bench-phases-1.7b"]["checked"]["shrunk"] is None
+    assert steps["cuda-tests"]["env"] == {"NSHARD_CUDA_TESTS": "1"}
     assert any("test_one_rank_trains_exports_and_evaluates_on_cuda" in t for t in summary["cuda_tests"])
+    configs = {p.name: json.loads(p.read_text()) for p in (tmp_path / "check/inputs").glob("*.json")}
+    assert configs["zero1-fp32-powersgd-error-sums.json"]["nshard"]["microbatch_sums"] == "error"
+    assert configs["zero2-bf16-powersgd-delta4.json"]["nshard"]["delta_bits"] == 4
+
+
+def powersgd_receipt(tmp_path, compressed: list[bool]) -> dict:
+    """A one-rank PowerSGD receipt as the trainer writes it (Receipt.finish, training.reduction_ran), from a ledger
+    with these updates compressed or not."""
+    from types import SimpleNamespace
+
+    from nshard.comm.ledger import ByteLedger
+    from nshard.run.training import reduction_ran
+
+    receipt, ledger = Receipt(0, 1), ByteLedger()
+    for update, flag in enumerate(compressed):
+        receipt.record_update(0.5, 1000, 0, flag)
+        ledger.record(update, flag, dense=1000)
+    receipt.where_and_link = {"link": {"backend": "gloo"}}
+    extra = {"zero_stage": 0, "reducer": "powersgd", "device": "cpu", "precision": {"compute": "bfloat16"},
+             "optimizer": {"basic": "AdamW", "wrapper": "FP16_UnfusedOptimizer"},
+             "reduction_ran": reduction_ran(SimpleNamespace(name="powersgd", ledger=ledger), receipt)}
+    return receipt.finish(tmp_path / "rank-0.json", "root", 1.0, extra)
+
+
+def test_a_gpu_check_step_about_compression_fails_without_a_compressed_update(tmp_path):
+    """What happened on the first GPU (a model too small to compress, reported ok) cannot pass any more: the
+    bf16 PowerSGD step's check fails on a receipt whose updates were all dense, and passes the same receipt with the
+    updates after the warm-up compressed."""
+    check = gpu_check()
+    expect = check.Expect("powersgd", 0, "bfloat16", "FP16_UnfusedOptimizer", compressed=True)
+    metrics = [{"update": i + 1, "loss": 1.0} for i in range(4)]
+    held, failed = check.training_checks(expect, powersgd_receipt(tmp_path, [False] * 4), metrics, 4, cuda=False)
+    assert any("compressed updates 0, expected 2" in f for f in failed)
+    assert any("0 compressed calls" in f for f in failed)
+    held, failed = check.training_checks(expect, powersgd_receipt(tmp_path, [False, False, True, True]), metrics, 4,
+                                         cuda=False)
+    assert failed == [] and any("compressed updates 2" in h for h in held)
+    dense = check.Expect("deepspeed", 0, "bfloat16", "FP16_UnfusedOptimizer")
+    assert any("no compressed update" in f for f in check.training_checks(
+        dense, powersgd_receipt(tmp_path, [False, False, True, True]), metrics, 4, cuda=False)[1])
+
+
+def test_gpu_check_derived_figures_say_why_they_are_missing():
+    check = gpu_check()
+    plan = check.steps(Path("/nonexistent"), {k: Path(f"/nonexistent/{k}") for k in (
+        "plan-135m", "plan-mixtral", "plan-1.7b", "fp32", "bf16", "bf16-powersgd", "zero1-fp32-powersgd-error-sums",
+        "zero2-bf16-powersgd-delta4", "zero2-bf16-powersgd")})
+    results = {"train-bf16-powersgd": {"status": "failed: exit 1"},
+               "train-bf16": {"status": "ok", "receipt": {"median_dense_update_s": 0.2}},
+               "train-zero1-fp32-powersgd-error-sums": {"status": "ok", "receipt": {"median_compressed_update_s": 0.3}},
+               "train-fp32": {"status": "ok", "receipt": {"median_dense_update_s": 0.2}}}
+    derived = check.derived(results, plan)
+    assert derived["bf16_powersgd_update_over_bf16_dense_update_minus_1"].startswith("missing: train-bf16-powersgd "
+                                                                                     "(failed: exit 1)")
+    assert derived["zero1_fp32_powersgd_update_over_fp32_dense_update_minus_1"] == pytest.approx(0.5)
+    assert derived["memory_1_7b"] == "missing: train-1.7b-bf16 did not pass (not run)"
+    assert derived["phase_share_of_1_7b_dense_bf16_step"].startswith("missing: bench-phases-1.7b gave no shares")
+    assert None not in derived.values()
+
+
+def tiny_step_run(root: Path, config_name: str, rank: int, cuda: bool = False) -> tuple[dict, list[dict]]:
+    """The GPU check's ds_config `config_name` (written by its write_inputs) on the tiny plan, one rank (on the CPU,
+    or with cuda=True on the GPU: tests/test_cuda.py)."""
+    from runs import launch
+
+    inputs = gpu_check().write_inputs(root / "check")
+    config = json.loads(inputs[config_name].read_text())
+    if "nshard" in config:
+        config["nshard"]["rank"] = rank
+    out = root / f"{config_name}-rank{rank}"
+    launch(out, config, world=1, cuda=cuda)
+    return gpu_check().read_run(out)
+
+
+GPU_CHECK_POWERSGD = {"bf16-powersgd": "train-bf16-powersgd",
+                      "zero2-bf16-powersgd-delta4": "train-zero2-bf16-powersgd-delta4",
+                      "zero1-fp32-powersgd-error-sums": "train-zero1-fp32-powersgd-error-sums"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config_name", list(GPU_CHECK_POWERSGD))
+def test_the_gpu_checks_powersgd_configs_pass_their_own_checks_on_a_cpu_run(tmp_path, config_name):
+    """Each PowerSGD step's ds_config, as the GPU check writes it, trained on the tiny model (rank 4, so its
+    matrices compress) on one CPU rank: the receipts pass every check the GPU step makes, the device aside."""
+    check = gpu_check()
+    step = next(s for s in check.steps(tmp_path, check.write_inputs(tmp_path))
+                if s.name == GPU_CHECK_POWERSGD[config_name])
+    receipt, metrics = tiny_step_run(tmp_path, config_name, rank=4)
+    held, failed = check.training_checks(step.expect, receipt, metrics, 3, cuda=False)
+    assert failed == [], failed
+    assert any("compressed updates 1" in h for h in held)
+
+
+@pytest.mark.slow
+def test_the_gpu_check_fails_its_powersgd_step_on_a_model_too_small_to_compress(tmp_path):
+    """The bf16 PowerSGD step's ds_config as shipped (rank 32) on the tiny model, whose matrices are all below the
+    compression threshold: the run completes, and the check fails it (the first GPU check reported it ok)."""
+    check = gpu_check()
+    step = next(s for s in check.steps(tmp_path, check.write_inputs(tmp_path)) if s.name == "train-bf16-powersgd")
+    receipt, metrics = tiny_step_run(tmp_path, "bf16-powersgd", rank=32)
+    assert receipt["update_compressed"] == [False] * 3
+    held, failed = check.training_checks(step.expect, receipt, metrics, 3, cuda=False)
+    assert any("compressed updates 0, expected 1" in f for f in failed), failed
+
+
+def reducers():
+    sys.path.insert(0, str(REPO))
+    from launch import gpu_reducers
+
+    return gpu_reducers
+
+
+@pytest.mark.slow
+def test_the_two_process_reducer_check_passes_on_the_cpu_and_fails_ranks_that_differ_or_compress_nothing(tmp_path):
+    """launch/gpu_reducers.py with the CPU as its device (the code the GPU check runs, at the real shapes) passes and
+    says its reference is the run itself; its checks, given the same ranks' results with one rank's output changed,
+    no compressed update, PowerSGD's output equal to the dense average or equal inputs, fail."""
+    import copy
+
+    proc = subprocess.run([sys.executable, "launch/gpu_reducers.py", "--device", "cpu", "--updates", "2", "--out",
+                           str(tmp_path / "reducers.json")], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    body = json.loads((tmp_path / "reducers.json").read_text())
+    assert body["ok"] is True and body["problems"] == [] and body["ranks_bit_identical"] is True
+    assert body["cpu_reference"].startswith("same device") and body["max_relative_error"] == {"dense": 0.0,
+                                                                                              "powersgd": 0.0}
+    assert body["compressed_updates"] == [1, 1] and len(body["compressed_matrices"]) == 3
+    assert all(c["encoded_equal"] and c["replica_equal"] for c in body["delta_codec"].values())
+    check = gpu_check()
+    assert check.script_checks(check.Step("reducers-two-processes", "", [], 1), body) == []
+
+    module, ranks = reducers(), body["ranks"]
+    assert module.problems(ranks, 2, "cpu") == []
+    differ = copy.deepcopy(ranks)
+    differ[1]["records"]["powersgd"][1]["outputs"]["model.embed_tokens.weight"] = "0" * 64
+    assert any("powersgd outputs differ between ranks" in p for p in module.problems(differ, 2, "cpu"))
+    idle = copy.deepcopy(ranks)
+    for r in idle:
+        r["compressed_updates"], r["powersgd_output_differs_from_dense"] = 0, [False, False]
+    found = module.problems(idle, 2, "cpu")
+    assert any("0 compressed updates" in p for p in found) and any("equals the dense average" in p for p in found)
+    same = copy.deepcopy(ranks)
+    same[1]["inputs"] = same[0]["inputs"]
+    assert any("same gradients" in p for p in module.problems(same, 2, "cpu"))
+    body["ranks_bit_identical"] = False
+    assert check.script_checks(check.Step("reducers-two-processes", "", [], 1), body) != []
+
+
+@pytest.mark.slow
+def test_the_phase_benchmark_says_when_its_shapes_were_shrunk_and_the_gpu_check_refuses_that(tmp_path):
+    """launch/bench_phases.py on the CPU with --shrink: every phase timed, its shares of a given dense step, and the
+    shrinking named in its output; the GPU check fails a shrunk result. Its dense step comes from a receipt."""
+    receipt = Receipt(0, 1)
+    for seconds in (3.0, 2.0, 2.5):
+        receipt.record_update(seconds, 0, 0, False)
+    receipt.finish(tmp_path / "rank-0.json", "root", 1.0, {})
+    proc = subprocess.run([sys.executable, "launch/bench_phases.py", "--device", "cpu", "--shrink", "--repeats", "1",
+                           "--dense-step-receipt", str(tmp_path / "rank-0.json"), "--out", str(tmp_path / "b.json")],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    body = json.loads((tmp_path / "b.json").read_text())
+    assert "1 of the model's 24 layers" in body["shrunk"] and "SHAPES SHRUNK" in proc.stderr
+    assert set(body["phases_s"]) == {"error_accumulate", "p_products", "orthogonalize", "q_products", "decompress",
+                                     "error_settle", "delta_encode", "delta_apply"}
+    assert all(s > 0 for s in body["phases_s"].values()) and body["dense_step_s"] == 2.5
+    assert body["share_of_dense_step"]["orthogonalize"] == pytest.approx(body["phases_s"]["orthogonalize"] / 2.5)
+    assert body["powersgd"]["compressed_matrices"] == 8  # one layer's 7 and the embedding
+    check = gpu_check()
+    assert any("shapes shrunk" in f for f in check.script_checks(check.Step("bench-phases-1.7b", "", [], 1), body))
 
 
 def test_bf16_at_stage_0_trains_through_fp16_unfused_optimizer(runs_root):

@@ -14,6 +14,7 @@ TRANSPORTS = ("torch", "mpi")
 MICROBATCH_SUMS = ("exact", "error")
 PARAMETER_SYNCS = ("dense", "delta")
 DELTA_BITS = (8, 4, 2)
+ORTHOGONALIZATIONS = ("auto", "cholesky_qr2", "householder")
 
 
 class ConfigError(ValueError):
@@ -58,6 +59,10 @@ class ReducerConfig:
     """Bits per element of a delta parameter sync: 8, 4 or 2."""
     delta_block: int = 256
     """Elements that share one fp32 scale in a delta parameter sync (a multiple of 16)."""
+    orthogonalization: str = "auto"
+    """How PowerSGD orthonormalizes the summed P: "cholesky_qr2" (batched matmuls, Householder QR for a matrix
+    it cannot handle: rank-deficient, all-zero, cond(P) past ~10⁷), "householder" (QR alone), or "auto"
+    (CholeskyQR2 on CUDA, Householder on CPU). Same Q within fp32 rounding either way; not saved state."""
 
     def __post_init__(self):
         problems = field_problems(self)
@@ -89,6 +94,7 @@ def field_problems(config: ReducerConfig) -> list[str]:
         _choice_problem("transport", config.transport, TRANSPORTS),
         _choice_problem("microbatch_sums", config.microbatch_sums, MICROBATCH_SUMS),
         _choice_problem("parameter_sync", config.parameter_sync, PARAMETER_SYNCS),
+        _choice_problem("orthogonalization", config.orthogonalization, ORTHOGONALIZATIONS),
     ]
     if not (_is_int(config.delta_bits) and config.delta_bits in DELTA_BITS):
         problems.append(f"nshard.delta_bits is {config.delta_bits!r}; set it to 8, 4 or 2")

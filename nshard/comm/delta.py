@@ -25,7 +25,23 @@ from nshard.comm.ring import neighbours, ring_step
 
 BITS = (8, 4, 2)
 CHUNK_BLOCKS = 4096
-"""Blocks encoded or applied at a time: the fp32 temporaries stay a few MiB, never partition-sized."""
+"""Blocks encoded, applied or compared at a time on the CPU: the fp32 temporaries stay a few MiB, in cache."""
+GPU_CHUNK_ELEMENTS = 1 << 26
+"""Elements at a time on a GPU: each kernel covers 64M elements (about 12 bytes of temporaries per element,
+0.8 GB), so an 850M-element partition takes 13 launches of each kernel instead of 3,300."""
+
+
+def chunk_elements(device, block: int) -> int:
+    """Elements the codec works on at a time on `device`, a whole number of blocks. Every block is encoded and
+    applied on its own, so any whole number of blocks gives the same bits."""
+    if torch.device(device).type == "cpu":
+        return CHUNK_BLOCKS * block
+    return max(block, GPU_CHUNK_ELEMENTS // block * block)
+
+
+def _spans(numel: int, chunk: int):
+    for start in range(0, numel, chunk):
+        yield start, min(chunk, numel - start)
 
 
 @dataclass(frozen=True)
@@ -69,13 +85,20 @@ class DeltaCodec:
         scales = encoded.narrow(0, self.code_bytes(numel), 4 * self.blocks(numel)).view(torch.float32)
         return codes, scales
 
+    def chunk(self, device, chunk: int | None = None) -> int:
+        """`chunk` (elements at a time) checked, or chunk_elements(device)'s default."""
+        if chunk is None:
+            return chunk_elements(device, self.block)
+        if not (isinstance(chunk, int) and chunk > 0 and chunk % self.block == 0):
+            raise ValueError(f"delta chunk {chunk!r}: use a positive multiple of the block ({self.block})")
+        return chunk
+
     @torch.no_grad()
-    def encode(self, master: torch.Tensor, replica: torch.Tensor, out: torch.Tensor) -> None:
-        """Write the quantized master − replica (flat, equal sizes) into `out` (from empty(numel))."""
+    def encode(self, master: torch.Tensor, replica: torch.Tensor, out: torch.Tensor, chunk: int | None = None) -> None:
+        """Write the quantized master − replica (flat, equal sizes) into `out` (from empty(numel)), `chunk`
+        elements at a time (default: chunk_elements(device)). Reads nothing back to the host."""
         codes, scales = self._views(out, master.numel())
-        span = CHUNK_BLOCKS * self.block
-        for start in range(0, master.numel(), span):
-            count = min(span, master.numel() - start)
+        for start, count in _spans(master.numel(), self.chunk(master.device, chunk)):
             first, nblocks = start // self.block, self.blocks(count)
             delta = self._padded_delta(master.narrow(0, start, count), replica.narrow(0, start, count), nblocks)
             low, high = torch.aminmax(delta, dim=1)
@@ -97,14 +120,12 @@ class DeltaCodec:
         return delta.view(nblocks, self.block)
 
     @torch.no_grad()
-    def apply_(self, replica: torch.Tensor, encoded: torch.Tensor) -> None:
+    def apply_(self, replica: torch.Tensor, encoded: torch.Tensor, chunk: int | None = None) -> None:
         """replica += dequantized Δ, as a plain multiply then a separate add (no fused multiply-add), so every
-        rank rounds alike; a bf16 replica adds in fp32 and rounds once to bf16."""
+        rank rounds alike; a bf16 replica adds in fp32 and rounds once to bf16. `chunk` as in encode."""
         codes, scales = self._views(encoded, replica.numel())
         table = self._table(replica.device)
-        span = CHUNK_BLOCKS * self.block
-        for start in range(0, replica.numel(), span):
-            count = min(span, replica.numel() - start)
+        for start, count in _spans(replica.numel(), self.chunk(replica.device, chunk)):
             first, nblocks = start // self.block, self.blocks(count)
             packed = codes.narrow(0, first * self.block // self.per_byte, nblocks * self.block // self.per_byte)
             # One lookup gives each byte's per_byte levels (code − qmax, exact small integers in fp32).
@@ -118,11 +139,12 @@ class DeltaCodec:
                 target.copy_(change.add_(target.float()))
 
     def _table(self, device) -> torch.Tensor:
-        """(256, per_byte) fp32: the levels each byte value packs, low bits first."""
-        byte = torch.arange(256, dtype=torch.int32)
+        """(256, per_byte) fp32: the levels each byte value packs, low bits first (made on the device: no copy from
+        the host, which would wait for the device)."""
+        byte = torch.arange(256, dtype=torch.int32, device=device)
         mask = (1 << self.bits) - 1
         levels = [((byte >> (self.bits * k)) & mask) - self.qmax for k in range(self.per_byte)]
-        return torch.stack(levels, dim=1).to(torch.float32).to(device)
+        return torch.stack(levels, dim=1).to(torch.float32)
 
     def _pack(self, q: torch.Tensor) -> torch.Tensor:
         if self.per_byte == 1:
@@ -135,14 +157,21 @@ class DeltaCodec:
 
 
 @torch.no_grad()
+def gap_max_(running: torch.Tensor, master: torch.Tensor, replica: torch.Tensor,
+             chunk: int | None = None) -> torch.Tensor:
+    """running := max(running, max |master − replica| over a partition), in fp32 on the partition's device, a
+    chunk at a time (default: chunk_elements(device, 256)). Reads nothing back to the host, so a step's partitions
+    add no synchronization; the caller reads the running maximum once."""
+    chunk = chunk or chunk_elements(master.device, 256)
+    for start, count in _spans(master.numel(), chunk):
+        gap = torch.sub(master.narrow(0, start, count).float(), replica.narrow(0, start, count).float())
+        torch.maximum(running, gap.abs_().amax(), out=running)
+    return running
+
+
 def max_gap(master: torch.Tensor, replica: torch.Tensor) -> float:
-    """max |master − replica| over a partition, a chunk at a time (the error memory's largest element)."""
-    span, gap = CHUNK_BLOCKS * 256, 0.0
-    for start in range(0, master.numel(), span):
-        count = min(span, master.numel() - start)
-        low, high = torch.aminmax(torch.sub(master.narrow(0, start, count).float(), replica.narrow(0, start, count).float()))
-        gap = max(gap, float(high), -float(low))
-    return gap
+    """max |master − replica| over a partition (the error memory's largest element), read back once."""
+    return gap_max_(torch.zeros((), device=master.device), master, replica).item()
 
 
 def exchange_isend_irecv(isend: Callable = dist.isend, irecv: Callable = dist.irecv) -> Callable:
@@ -154,7 +183,8 @@ def exchange_isend_irecv(isend: Callable = dist.isend, irecv: Callable = dist.ir
 
 
 def exchange_batched(outgoing: torch.Tensor, incoming: torch.Tensor, group) -> None:
-    """One ring step through batch_isend_irecv (NCCL, where a lone isend before an irecv can deadlock the ring)."""
+    """One ring step through batch_isend_irecv (NCCL, where a lone isend before an irecv can deadlock the ring;
+    gloo runs it too, on CPU tensors, which is how the suite runs this path)."""
     right, left = neighbours(group)
     ops = [dist.P2POp(dist.isend, outgoing, right, group), dist.P2POp(dist.irecv, incoming, left, group)]
     for request in dist.batch_isend_irecv(ops):

@@ -19,6 +19,7 @@ from nshard.comm.dense import ShapeRegistry, all_reduce_mean_, sorted_grads
 from nshard.comm.feedback import DeviceErrorMemory, ErrorMemory, build_error_memory
 from nshard.comm.layout import Layout, MatrixSlot, build_layout, check_same_shapes, p_block, p_group, q_block
 from nshard.comm.ledger import ByteLedger
+from nshard.comm.orthogonal import orthonormalize_, resolve
 from nshard.comm.transport import Transport
 
 
@@ -31,6 +32,7 @@ class PowerSGDState:
     dense_warmup_updates: int
     min_compression_rate: float
     warm_start: bool
+    orthogonalization: str  # the config's setting ("auto" is resolved per update by the device)
     # Internal state (all of it saved by state_dict).
     generator: torch.Generator
     errors: ErrorMemory
@@ -43,6 +45,7 @@ class PowerSGDState:
     delivered_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     # Statistics.
     ledger: ByteLedger = field(default_factory=ByteLedger)
+    orthogonal_fallbacks: int = 0  # matrices CholeskyQR2 handed to Householder QR (not saved)
 
 
 def as_matrix(grad: torch.Tensor) -> torch.Tensor:
@@ -68,14 +71,15 @@ def compute_p(state: PowerSGDState, grads: Mapping[str, torch.Tensor]) -> None:
 
 
 def orthogonalize(state: PowerSGDState) -> None:
-    """Orthonormal columns for every summed P, one batched Householder QR per shape group.
+    """Orthonormal columns for every summed P, batched per shape group (nshard/comm/orthogonal.py).
 
-    QR rather than Gram-Schmidt: it stays orthonormal on rank-deficient (even all-zero) P without an
-    epsilon, and it is deterministic, so ranks holding the same summed P get the same result.
+    CholeskyQR2 or Householder QR, not Gram-Schmidt: a P that CholeskyQR2 cannot handle (rank-deficient, even
+    all-zero) goes to Householder QR, which stays orthonormal there without an epsilon. Both are deterministic
+    and the fallback depends on the summed P alone, so ranks holding the same summed P get the same result.
     """
-    for group in state.layout.groups:
-        block = p_group(state.p_flat, group)
-        block.copy_(torch.linalg.qr(block).Q)
+    method = resolve(state.orthogonalization, state.p_flat.device)
+    stacks = [p_group(state.p_flat, group) for group in state.layout.groups]
+    state.orthogonal_fallbacks += orthonormalize_(stacks, method)
 
 
 def compute_q(state: PowerSGDState, grads: Mapping[str, torch.Tensor]) -> None:
@@ -252,6 +256,7 @@ class PowerSGDReducer:
             dense_warmup_updates=config.dense_warmup_updates,
             min_compression_rate=config.min_compression_rate,
             warm_start=config.warm_start,
+            orthogonalization=config.orthogonalization,
             generator=torch.Generator(device="cpu").manual_seed(config.seed),
             errors=build_error_memory(config.error_feedback),
         )

@@ -1,8 +1,8 @@
 """Evidence archive: a study's (or some runs') evidence files and a source snapshot in one tar, every byte bound
 by SHA-256.
 
-    python -m nshard.evidence.archive create STUDY_DIR ARCHIVE [--no-source]
-    python -m nshard.evidence.archive create RUN_DIR [RUN_DIR ...] ARCHIVE [--extra FILE ...] [--no-source]
+    python -m nshard.evidence.archive create STUDY_DIR ARCHIVE [--no_source]
+    python -m nshard.evidence.archive create RUN_DIR [RUN_DIR ...] ARCHIVE [--extra FILE ...] [--no_source]
     python -m nshard.evidence.archive verify ARCHIVE [--sha256 HEX]
     python -m nshard.evidence.archive extract ARCHIVE DEST
 
@@ -41,6 +41,7 @@ import tarfile
 import tempfile
 from pathlib import Path, PurePosixPath
 
+from nshard.cli import SPELLING_NOTE, ArgumentParser, prog
 from nshard.evidence.export import entry_kind
 from nshard.files import first_difference, staged_dir
 
@@ -392,19 +393,21 @@ def extract(archive: Path, dest: Path, expected_sha256: str | None = None) -> di
     return {"dest": str(dest), "members": len(members), "anchored": anchored}
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(ArgumentParser):
     def error(self, message):
-        print(f"nshard.archive: error: {message} (see python -m nshard.evidence.archive --help)", file=sys.stderr)
+        print(f"nshard.archive: error: {message} (see {prog('nshard.evidence.archive')} --help)", file=sys.stderr)
         sys.exit(2)
 
 
-def main(argv=None) -> int:
-    parser = _Parser(prog="nshard.evidence.archive", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    epilog = ("Writes: create, ARCHIVE (a tar) and ARCHIVE.sha256 beside it; extract, DEST (new); verify writes "
+              "nothing. Each prints one JSON line. " + SPELLING_NOTE)
+    parser = _Parser(prog=prog("nshard.evidence.archive"), description=__doc__, epilog=epilog)
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("create", help="archive a study directory, or run directories (and extra files)")
     c.add_argument("paths", nargs="+", metavar="STUDY_DIR|RUN_DIR... ARCHIVE")
     c.add_argument("--extra", action="append", default=[], help="another file to include (a study's notes, ...)")
-    c.add_argument("--no-source", action="store_true", help="leave out the git source snapshot")
+    c.add_argument("--no_source", action="store_true", help="leave out the git source snapshot")
     v = sub.add_parser("verify", help="check every member, the index and the archive's own SHA-256")
     v.add_argument("archive")
     v.add_argument("--sha256", help="the archive's expected SHA-256 (default: ARCHIVE.sha256 beside it)")
@@ -412,7 +415,11 @@ def main(argv=None) -> int:
     x.add_argument("archive")
     x.add_argument("dest")
     x.add_argument("--sha256", help="the archive's expected SHA-256 (default: ARCHIVE.sha256 beside it)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "create":
             if len(args.paths) < 2:

@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from nshard.cli import SPELLING_NOTE, ArgumentParser, prog
 from nshard.evidence.export import ManifestError, entry_kind, source_commit, verify_manifest
 from nshard.files import file_sha256, write_json_atomic
 
@@ -164,12 +165,18 @@ def committed_name(record: dict, files: dict[str, str]) -> str | None:
     return None
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    epilog = ("Writes OUT (the commitment record, JSON, written atomically) and prints one JSON line: its path, "
+              "record_sha256 and the candidates' names. " + SPELLING_NOTE)
+    parser = ArgumentParser(prog=prog("nshard.evidence.commit"), description=__doc__, epilog=epilog)
     parser.add_argument("out", type=Path, help="commitment record to write (JSON)")
     parser.add_argument("--seed", required=True, type=Path, help="the untrained model's directory")
     parser.add_argument("--arm", action="append", default=[], metavar="NAME=RUN_DIR", help="a finished arm")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     arms = {}
     for item in args.arm:
         name, sep, run_dir = item.partition("=")

@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Iterator
 
+from nshard.cli import SPELLING_NOTE, ArgumentParser, prog
 from nshard.evidence.backend import Backend, BadInput, FileSink, MemorySink, Sink, StoreError, hash_into
 from nshard.files import file_chunks, file_sha256, staged_dir
 
@@ -234,9 +235,9 @@ def pull(backend: Backend, dest: Path) -> dict:
     return {"dest": str(dest), "files": len(files), "bytes": sum(e["bytes"] for e in files.values())}
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(ArgumentParser):
     def error(self, message):
-        fail(f"{message} (see python -m nshard.evidence.store --help)", 2)
+        fail(f"{message} (see {prog('nshard.evidence.store')} --help)", 2)
 
 
 def fail(message: str, code: int):
@@ -244,15 +245,21 @@ def fail(message: str, code: int):
     sys.exit(code)
 
 
-def main(argv=None) -> int:
-    parser = _Parser(prog="nshard.evidence.store", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    epilog = ("Writes: push, URI/objects/sha256/... and URI/index.json (last); pull, the tree at DEST (new); verify "
+              "writes nothing. Each prints one JSON line; problems go to stderr. " + SPELLING_NOTE)
+    parser = _Parser(prog=prog("nshard.evidence.store"), description=__doc__, epilog=epilog)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("push", help="store SRC under URI").add_argument("src")
     sub.choices["push"].add_argument("uri")
     sub.add_parser("verify", help="re-read every object under URI").add_argument("uri")
     sub.add_parser("pull", help="rebuild URI's tree at DEST").add_argument("uri")
     sub.choices["pull"].add_argument("dest")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         backend = open_backend(args.uri)
         if args.command == "push":

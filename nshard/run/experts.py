@@ -42,6 +42,9 @@ class ExpertTap:
         self.load = torch.zeros(len(found), self.experts, dtype=torch.int64)
         self.dropped = 0
         self.mask: torch.Tensor | None = None
+        self.counted: set[int] = set()
+        """Router layers whose load this microbatch has counted: under activation checkpointing the backward runs each
+        layer's forward again, and its router hook fires again on the same tokens."""
         self.probe = torch.tensor([probe_ids[:PROBE_TOKENS]])
         self.probe_routes: list[torch.Tensor] | None = None
         self.hooks = [router.register_forward_hook(self._hook(layer)) for layer, router in enumerate(found)]
@@ -67,6 +70,7 @@ class ExpertTap:
     def see(self, mask: torch.Tensor) -> None:
         """The attention mask of the microbatch about to go forward (padding is not routed load)."""
         self.mask = mask.reshape(-1).bool()
+        self.counted = set()
 
     def _hook(self, layer: int):
         def hook(module, inputs, output):
@@ -74,6 +78,9 @@ class ExpertTap:
             if self.probe_routes is not None:
                 self.probe_routes.append(indices.cpu())
                 return
+            if layer in self.counted:  # recomputed in backward (activation checkpointing): counted in the forward
+                return
+            self.counted.add(layer)
             real = indices[self.mask.to(indices.device)] if self.mask is not None else indices
             self.dropped += int((real.shape[1] < self.top_k) * real.shape[0])
             self.load[layer] += torch.bincount(real.reshape(-1).cpu(), minlength=self.experts)

@@ -1,5 +1,5 @@
-"""Resolve a model spec ("embedded", "tiny[:SEED]", a local directory, a hub id) to a transformers
-directory, building the embedded and tiny models once into a content-hashed cache."""
+"""Resolve a model spec ("embedded", "tiny[:SEED]", "random:NAME[:SEED]", a local directory, a hub id) to a
+transformers directory, building the embedded, tiny and random models once into a content-hashed cache."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import shutil
 import tempfile
 
 from nshard.files import cache_root, file_chunks, file_sha256, note_one_time_work
+from nshard.run.upcycle import upcycled_state
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
@@ -44,7 +45,7 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-Kind = Literal["embedded", "tiny", "local", "hub"]
+Kind = Literal["embedded", "tiny", "random", "local", "hub"]
 
 
 @dataclass(frozen=True)
@@ -52,13 +53,13 @@ class ModelRef:
     """Where a model spec points, and the identity of its files when they are local."""
 
     spec: str
-    """The spec as given ("embedded", "tiny:3", a path, "org/name")."""
+    """The spec as given ("embedded", "tiny:3", "random:smollm2-135m", a path, "org/name")."""
     path: str
     """Absolute local directory, or the hub id for kind "hub"."""
     sha256: str | None
     """Hash of the local weights, config and tokenizer files (see `dir_sha256`); None for "hub"."""
     kind: Kind
-    """How the spec was read: "embedded", "tiny", "local" or "hub"."""
+    """How the spec was read: "embedded", "tiny", "random", "local" or "hub"."""
 
 
 def default_cache_dir() -> Path:
@@ -66,7 +67,8 @@ def default_cache_dir() -> Path:
 
 
 def resolve_model(spec: str, cache_dir: Path | None = None) -> ModelRef:
-    """Resolve `spec`; builds "embedded" and "tiny[:SEED]" into `<cache>/models/` on first use."""
+    """Resolve `spec`; builds "embedded", "tiny[:SEED]" and "random:NAME[:SEED]" into `<cache>/models/` on
+    first use."""
     models_dir = Path(cache_dir if cache_dir is not None else default_cache_dir()) / "models"
     if spec == "embedded":
         path, sha = _ensure_embedded(models_dir)
@@ -75,14 +77,19 @@ def resolve_model(spec: str, cache_dir: Path | None = None) -> ModelRef:
         seed = _tiny_seed(spec)
         path, sha = _ensure_tiny(models_dir, seed)
         return ModelRef(spec, str(path), sha, "tiny")
+    if spec.startswith(RANDOM_PREFIX):
+        name, seed = parse_random_spec(spec)
+        path, sha = _ensure_random(models_dir, name, seed)
+        return ModelRef(spec, str(path), sha, "random")
     local = Path(spec).expanduser()
     if local.exists():
         _check_model_dir(local)
         return ModelRef(spec, str(local.resolve()), dir_sha256(local), "local")
     if not spec.startswith(("/", ".", "~")) and HUB_ID.match(spec):
         return ModelRef(spec, spec, None, "hub")
-    raise FileNotFoundError(f"model path {spec} does not exist; give a local transformers "
-                            f"directory, a hub id (org/name), 'embedded' or 'tiny'")
+    raise FileNotFoundError(f"model path {spec} does not exist; give a local transformers directory, a hub id "
+                            f"(org/name), 'embedded', 'tiny[:SEED]' or 'random:NAME[:SEED]' (NAME one of "
+                            f"{', '.join(random_names())})")
 
 
 def load_tokenizer(ref: ModelRef):
@@ -92,8 +99,12 @@ def load_tokenizer(ref: ModelRef):
 
 
 def load_model(ref: ModelRef, dtype: torch.dtype = torch.float32):
+    """The model on the CPU in `dtype`: a random model's directory is built from its recipe (`random_model`), any
+    other by transformers' from_pretrained."""
     from transformers import AutoModelForCausalLM
 
+    if ref.kind != "hub" and (Path(ref.path) / RANDOM_FILE).is_file():
+        return random_model(Path(ref.path), dtype)
     return AutoModelForCausalLM.from_pretrained(ref.path, dtype=dtype,
                                                 local_files_only=ref.kind != "hub")
 
@@ -120,7 +131,11 @@ def _check_model_dir(path: Path) -> None:
         raise NotADirectoryError(f"model path {path} is a file; give a transformers directory "
                                  f"(config.json, weights, tokenizer)")
     missing = [] if (path / "config.json").is_file() else ["config.json"]
-    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+    weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+    if weights and (path / RANDOM_FILE).is_file():
+        raise ValueError(f"model directory {path} holds both weights and {RANDOM_FILE} (a random model's "
+                         f"recipe); remove {RANDOM_FILE} to load the weights, or the weights to build the recipe")
+    if not weights and not (path / RANDOM_FILE).is_file():
         missing.append("weights (*.safetensors or *.bin)")
     if missing:
         raise FileNotFoundError(f"model directory {path} is missing {' and '.join(missing)}")
@@ -222,7 +237,11 @@ TINY_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                    tie_word_embeddings=True, rms_norm_eps=1e-5)
 TINY_VOCAB = 512
-TINY_INIT_STD = 0.02
+INIT_STD = 0.02
+INIT = (f"normal(0, {INIT_STD}) for every parameter of 2 or more dimensions, drawn in fp32 by one CPU "
+        "torch.Generator seeded with the seed, parameters in sorted name order, then cast to the model's dtype; "
+        "1-D parameters (RMSNorm scales) 1.0")
+"""nshard's own seeded init (`seeded_init`) of the tiny and random models."""
 
 # Text of the kinds the task prompts and chat turns use: tables, prices, lists of numbers,
 # invoices, instructions, chat roles and plain English.
@@ -304,15 +323,169 @@ def _build_tiny(seed: int, out: Path) -> None:
     config = LlamaConfig(vocab_size=len(tokenizer), **TINY_CONFIG,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
-    model = LlamaForCausalLM(config)
-    # Our own seeded init, not transformers' _init_weights, so the weights (and the sha256) do
-    # not move when a transformers release changes its default initialization.
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if param.ndim >= 2:
-                param.normal_(0.0, TINY_INIT_STD, generator=generator)
-            else:
-                param.fill_(1.0)  # RMSNorm scales
+    model = seeded_init(LlamaForCausalLM(config), seed)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def seeded_init(model, seed: int):
+    """`INIT`, in place: our own init, not transformers' _init_weights, so the weights do not move when a
+    transformers release changes its default initialization, nor with the device the model then goes to. torch's
+    CPU sampler is vectorized on x86-64 with AVX2 and scalar elsewhere (ARM): those two may differ in the last bit."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            if param.ndim < 2:
+                param.fill_(1.0)
+            elif param.dtype == torch.float32 and param.device.type == "cpu" and param.is_contiguous():
+                param.normal_(0.0, INIT_STD, generator=generator)
+            else:  # the same fp32 draws, then cast (one parameter's temporary at a time)
+                param.copy_(torch.empty(param.shape).normal_(0.0, INIT_STD, generator=generator))
+    return model
+
+
+# ---- random: a real architecture from a shipped config, seeded weights never written -------------
+
+RANDOM_PREFIX = "random:"
+RANDOM_SPEC = re.compile(r"^random:([a-z0-9][a-z0-9.-]*)(?::([0-9]+))?$")
+RANDOM_CONFIGS = Path(__file__).with_name("configs")
+"""One transformers config.json per name: SmolLM2-135M-Instruct's and SmolLM2-1.7B-Instruct's (their transformers.js
+and version keys dropped), and mixtral-4x135m, the config nshard.grow's `mixtral_config` writes for the 135M with
+4 experts, top 2 (tests/test_models.py holds the file to that function's output)."""
+RANDOM_FILE = "nshard-random.json"
+"""In a random model's directory, in place of weights: its name, seed and `INIT` recipe. A hashed file, so the
+directory's sha256 covers config, tokenizer, seed and recipe."""
+RANDOM_RECIPE = 2
+"""Bump when `random_model`'s recipe changes, so cached directories (and their sha256) change with it."""
+RANDOM_GROWN = {"mixtral-4x135m": "smollm2-135m"}
+"""Random models built as nshard.grow builds a grown model: the named dense random model (same seed), each MLP copied
+into every expert, a router drawn N(0, 0.02) from the same seed (nshard/run/upcycle.py)."""
+
+
+def random_names() -> list[str]:
+    return sorted(p.stem for p in RANDOM_CONFIGS.glob("*.json"))
+
+
+def parse_random_spec(spec: str) -> tuple[str, int]:
+    """("smollm2-135m", 0) from "random:smollm2-135m", ("smollm2-135m", 7) from "random:smollm2-135m:7"."""
+    match = RANDOM_SPEC.match(spec)
+    names = random_names()
+    if match is None or match.group(1) not in names:
+        raise ValueError(f"bad model spec {spec!r}: use 'random:NAME' or 'random:NAME:SEED' (SEED an integer "
+                         f">= 0) with NAME one of {', '.join(names)}")
+    return match.group(1), int(match.group(2) or 0)
+
+
+def _ensure_random(models_dir: Path, name: str, seed: int) -> tuple[Path, str]:
+    config_sha256 = file_sha256(RANDOM_CONFIGS / f"{name}.json")
+    source = {"kind": "random", "name": name, "seed": seed, "recipe": RANDOM_RECIPE, "config_sha256": config_sha256,
+              "corpus_sha256": hashlib.sha256(TINY_CORPUS.encode()).hexdigest()}
+    return _ensure_built(models_dir / f"random-{name}-{seed}", source, lambda d: _build_random(name, seed, d))
+
+
+def _build_random(name: str, seed: int, out: Path) -> None:
+    """config.json (the shipped one, with the tiny tokenizer's special-token ids), the tiny tokenizer and
+    RANDOM_FILE: no weights (`random_model` draws them at each load)."""
+    from transformers import AutoConfig
+
+    tokenizer = _tiny_tokenizer()
+    shipped = json.loads((RANDOM_CONFIGS / f"{name}.json").read_text())
+    config = AutoConfig.for_model(**{**shipped, "bos_token_id": tokenizer.bos_token_id,
+                                     "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id})
+    tokenizer.model_max_length = config.max_position_embeddings
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    body = {"name": name, "seed": seed, "recipe": RANDOM_RECIPE, "init": INIT}
+    (out / RANDOM_FILE).write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+
+
+def random_model(path: Path, dtype: torch.dtype = torch.float32):
+    """A random model's directory built into a CPU model in `dtype`: the architecture shaped by transformers without
+    its own init (parameters on the meta device), then `seeded_init`. The same weights (up to the cast) for the same
+    directory in every process, on every machine, whatever device the model then moves to.
+
+    The vocabulary keeps the real 49,152 rows (real shapes: embedding, LM head, their gradients and optimizer
+    state) although the tiny tokenizer emits only ids below 512: rows 512 and up are never an input, but as rows of
+    the tied LM head they still take the softmax's gradient. The Mixtral is grown from the dense 135M of the same
+    seed (`grown_random_model`: experts are copies of each MLP, as nshard.grow grows them). Cost: drawing the
+    numbers, about 0.8 s per 135 M parameters on one core of the 2-core test machine (docs/configuration.md)."""
+    from transformers import AutoConfig
+
+    recipe = json.loads((Path(path) / RANDOM_FILE).read_text())
+    if recipe.get("recipe") != RANDOM_RECIPE:
+        raise ValueError(f"{path} was built by random model recipe {recipe.get('recipe')}, this nshard draws recipe "
+                         f"{RANDOM_RECIPE}; resolve the spec random:{recipe.get('name')}:{recipe.get('seed')} again")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if recipe["name"] in RANDOM_GROWN:
+        return grown_random_model(RANDOM_GROWN[recipe["name"]], config, recipe["seed"], dtype)
+    return seeded_init(shaped_model(config, dtype), recipe["seed"]).eval()  # eval, as from_pretrained returns
+
+
+def grown_random_model(dense_name: str, config, seed: int, dtype: torch.dtype):
+    """The Mixtral `config` grown from random:`dense_name`:`seed` by sparse upcycling's rule: every expert a copy of
+    its layer's MLP, so before training the grown model computes what the dense one does (top-k weights are
+    renormalized); the router is seeded by `seed` too."""
+    from transformers import AutoConfig
+
+    shipped = json.loads((RANDOM_CONFIGS / f"{dense_name}.json").read_text())
+    ids = {key: getattr(config, key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    dense = seeded_init(shaped_model(AutoConfig.for_model(**{**shipped, **ids})), seed)
+    tensors = dict(dense.state_dict())
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    growth = _Growth(experts=config.num_local_experts, seed=seed, router_std=INIT_STD)
+    state = upcycled_state(tensors, config.num_hidden_layers, growth, config.hidden_size)
+    del dense, tensors
+    model = shaped_model(config, torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise ValueError(f"random:{dense_name} does not grow into {config.model_type} (missing {sorted(missing)[:3]}, "
+                         f"unexpected {sorted(unexpected)[:3]})")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.to(dtype).eval()
+
+
+@dataclass(frozen=True)
+class _Growth:
+    experts: int
+    seed: int
+    router_std: float
+
+
+def shaped_model(config, dtype: torch.dtype = torch.float32, materialize: bool = True):
+    """The architecture of `config` with uninitialized CPU parameters in `dtype` (tied ones stay tied), or left on
+    the meta device (materialize=False: shapes and counts only). transformers' own init runs on the meta device,
+    where it costs nothing; buffers (rotary frequencies) are computed as transformers computes them."""
+    from transformers import AutoModelForCausalLM
+
+    with _parameters_on_meta():  # dtype: config.dtype and any buffer made without one, as from_pretrained does
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if not materialize:
+        return model
+    made = {}
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is not None:
+                if id(param) not in made:
+                    made[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=dtype),
+                                                         requires_grad=param.requires_grad)
+                module._parameters[key] = made[id(param)]
+    return model
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Every parameter a module registers goes to the meta device; buffers stay where they are made."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register

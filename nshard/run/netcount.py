@@ -1,5 +1,6 @@
 """Where a rank ran and what crossed its link: the kernel's transmit counter of the interface gloo (or NCCL's
-socket transport) uses, set beside the bytes the rank handed to collectives (DeepSpeed's comms logger, the reducer's ledger)."""
+socket transport) uses, set beside the bytes the rank handed to collectives (DeepSpeed's comms logger, the reducer's
+ledger, nshard's count of the weights' all-gather and delta sync)."""
 
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def where(backend: str = "gloo") -> dict:
 
 class LinkCount:
     """Started before the training loop, finished after it: the kernel's bytes against the collectives' bytes
-    over the same span. `collectives` is an nshard.seam.patches.CollectiveCounter (comms-logger bytes since its last take);
+    over the same span. `collectives` is an nshard.seam.patches.CollectiveCounter (bytes since its last take);
     `backend` the process group's ("gloo" or "nccl"), which decides the interface variable."""
 
     def __init__(self, collectives, backend: str = "gloo"):
@@ -88,21 +89,28 @@ class LinkCount:
         tx_end = tx_bytes(self.interface)
         logged = self.collectives.take()
         kernel = None if tx_end is None or self.tx_start is None else tx_end - self.tx_start
-        logged_bytes = sum(logged.values())
+        logged_reducer = logged["logged_reducer_bytes"]  # None: DeepSpeed's comms logger was off
+        # The reducer's bytes: the logger's where it counted (checked against the ledger below), else the ledger's.
+        reducer = logged_reducer if logged_reducer is not None else ledger_bytes or 0
+        logged_bytes = logged["deepspeed_grad_bytes"] + reducer + logged["other_bytes"]
         # A ring all-reduce (gloo's) sends 2(W-1)/W of the tensor from each rank: for two ranks, the tensor once.
         expected = logged_bytes * 2 * (world_size - 1) / world_size
         ratio = kernel / expected if kernel is not None and expected > 0 else None
-        ledger_ok = None if ledger_bytes is None else ledger_bytes == logged["logged_reducer_bytes"]
-        if ledger_ok is False:
+        ledger_ok = None if ledger_bytes is None or logged_reducer is None else ledger_bytes == logged_reducer
+        delta, logged_delta = logged.get("delta_bytes"), logged.get("logged_delta_bytes")
+        delta_ok = None if logged_delta is None else delta == logged_delta
+        if ledger_ok is False or delta_ok is False:
             agree = False
         elif ratio is None:  # no link interface (one machine), or nothing sent
             agree = None
         else:
             agree = abs(ratio - 1) <= TOLERANCE
         link = {"interface": self.interface, "kernel_tx_bytes": kernel, "logged_collective_bytes": logged_bytes,
-                "logged_reducer_bytes": logged["logged_reducer_bytes"], "ledger_bytes": ledger_bytes,
+                "logged_reducer_bytes": logged_reducer, "ledger_bytes": ledger_bytes,
+                "delta_bytes": delta, "logged_delta_bytes": logged_delta,
                 "expected_wire_bytes": round(expected), "kernel_over_expected": ratio,
-                "ledger_matches_logger": ledger_ok, "tolerance": TOLERANCE, "agree": agree,
+                "ledger_matches_logger": ledger_ok, "delta_matches_logger": delta_ok, "tolerance": TOLERANCE,
+                "agree": agree,
                 "backend": self.backend, "not_counted": self.not_counted}
         if self.not_counted:
             print(f"nshard: note (rank {rank}): the link's bytes are not counted: {self.not_counted}",
@@ -110,6 +118,7 @@ class LinkCount:
         if agree is False:
             print(f"nshard: warning (rank {rank}): byte counts disagree beyond {TOLERANCE:.0%} protocol overhead: "
                   f"kernel sent {kernel} B on {self.interface}, collectives {logged_bytes} B (expected on the wire "
-                  f"{round(expected)} B), reducer ledger {ledger_bytes} B vs logged {logged['logged_reducer_bytes']} B",
+                  f"{round(expected)} B), reducer ledger {ledger_bytes} B vs logged {logged_reducer} B, delta sync "
+                  f"{delta} B vs logged {logged_delta} B",
                   file=sys.stderr, flush=True)
         return {**where(self.backend), "link": link}

@@ -135,6 +135,12 @@ class Receipt:
     update_experts: list[dict] = field(default_factory=list)
     """A sparse model: each update's router load per layer and expert (all ranks), dead experts, dropped tokens and
     the probe's routing digest, identical on every rank (nshard/run/experts.py); empty for a dense model."""
+    update_throughput: list[dict] = field(default_factory=list)
+    """Each update's tokens, response tokens, FLOPs by the budget's count, tokens/s, achieved TFLOP/s, MFU and
+    the global gradient norm after reduction (nshard/run/throughput.py), as metrics.jsonl has them."""
+    throughput: dict = field(default_factory=dict)
+    """How those were counted: the FLOP count, active parameters per token, the peak MFU divides by and its source,
+    where the gradient norm comes from."""
 
     def record_update(self, seconds: float, grad_bytes: int, other_bytes: int, compressed: bool,
                       gpu: dict | None = None, deepspeed_grad_bytes: int = 0) -> None:
@@ -153,6 +159,20 @@ class Receipt:
         if gpu is not None:
             before = self.gpu_phases.get(phase, {})
             self.gpu_phases[phase] = {key: max(gpu[key], before.get(key, 0)) for key in GpuPeaks.KEYS}
+
+    def record_throughput(self, figures: dict) -> None:
+        self.update_throughput.append(figures)
+
+    def throughput_summary(self) -> dict:
+        """The whole run's figures over its updates' own seconds (a state saved before throughput was recorded
+        leaves its updates out)."""
+        from nshard.run.throughput import summary
+
+        done = self.update_throughput
+        seconds = self.update_s[len(self.update_s) - len(done):]
+        return {**self.throughput, "run": summary(seconds, [f["tokens"] for f in done],
+                                                  [f["response_tokens"] for f in done], [f["flops"] for f in done],
+                                                  self.throughput.get("peak_tflops"))}
 
     def state_dict(self) -> dict:
         """The counters so far, saved with every complete state so a resumed run's receipt covers the whole run."""
@@ -189,6 +209,8 @@ class Receipt:
             "update_parameter_bytes": self.update_parameter_bytes,
             "update_delta_gap": self.update_delta_gap,
             "update_experts": self.update_experts,
+            "update_throughput": self.update_throughput,
+            "throughput": self.throughput_summary(),
             "by_phase": self.by_phase(),
             "state_s": self.state_s,
             "state_saves": self.state_saves,

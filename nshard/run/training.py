@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import math
 import shutil
@@ -21,6 +22,8 @@ from nshard.run import device as device_mod
 from nshard.seam import engine as engine_mod
 from nshard.seam import patches
 from nshard.run import netcount
+from nshard.run import throughput
+from nshard.seam import observe
 from nshard.run import state as state_mod
 from nshard.comm.config import ReducerConfig
 from nshard.evidence.export import write_manifest
@@ -72,6 +75,63 @@ def preflight(plan: Plan, ds_config: dict, world_size: int) -> dict:
     check_chat_source(plan)
     check_optimizer_path(ds_config, device_mod.cuda_available())
     return complete_ds_config(ds_config, plan, world_size)
+
+
+def check_memory(plan: Plan, given: dict, completed: dict, world_size: int, start: StartPoint | None) -> dict | None:
+    """Refuse (RunError, one line) a plan whose predicted per-rank peak does not fit this rank's device: its GPU where
+    CUDA is present, else its share of host memory (analysis/memory_model.py plan_peak). Runs before any process
+    group exists. NSHARD_MEMORY_CHECK=warn prints the refusal and goes on, =off skips it; a model the memory model
+    cannot size is noted and not refused. Returns the prediction (None when skipped or not made)."""
+    import os
+    import sys
+
+    from nshard.analysis.memory_model import CHECK_ENV, CHECK_MODES, plan_peak, refusal, summary
+
+    mode = os.environ.get(CHECK_ENV, "refuse") or "refuse"
+    if mode not in CHECK_MODES:
+        raise RunError(f"{CHECK_ENV}={mode!r}: use {', '.join(CHECK_MODES)}")
+    if mode == "off":
+        return None
+    model_dir = start.model_dir if start is not None else (
+        Path(plan.model.spec) if (Path(plan.model.spec) / "config.json").is_file() else None)
+    ds_config = {**completed, **({"nshard": given["nshard"]} if "nshard" in given else {})}
+    main = os.environ.get("RANK", "0") == "0"
+    try:
+        report = plan_peak(plan, ds_config, world_size, model_dir=model_dir,
+                           shapes=meta_shapes(model_dir) if model_dir is not None else None)
+    except (OSError, ValueError, KeyError) as exc:  # a model it cannot size: say so, do not refuse
+        if main:
+            print(f"nshard: note: memory not planned ({exc})", file=sys.stderr, flush=True)
+        return None
+    if not report["fits"]:
+        line = refusal(report, f"plan {plan.name} on {world_size} rank{'s' if world_size > 1 else ''}")
+        if mode == "refuse" and refused(report):
+            raise RunError(line)
+        if main:
+            print(f"nshard: warning: {line}", file=sys.stderr, flush=True)
+    elif main:
+        print(f"nshard: memory: {summary(report)}", flush=True)
+    return report
+
+
+def refused(report: dict) -> bool:
+    """Whether a prediction that does not fit is refused. A GPU's is. Host memory is refused only for what is certain:
+    the activations are an upper bound (every document at max_length) and the host's memory is shared and soft, so a
+    host plan that fits without them is warned about instead."""
+    if report["fits"]:
+        return False
+    certain = report["peak_bytes"] - report["parts"].get("activations", 0)
+    return report.get("device_kind") != "cpu" or certain > report["usable_bytes"]
+
+
+def meta_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """A model's parameter shapes from its config.json, built on torch's meta device: no weight is read or allocated."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def setup_run_dir(run: Run, overwrite: bool) -> None:
@@ -176,11 +236,17 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
     engine.train()
     link = netcount.LinkCount(patches.CollectiveCounter(), dist.get_backend())  # kernel vs collective bytes
     gpu_peaks = GpuPeaks()  # reset at every update, so each update's peaks are its own
+    meter, grad_norm = throughput.meter(engine, prepared, run.world), observe.GradNorm(engine)
+    monitor = observe.Monitor.install(engine)  # None unless the ds_config enables one of DeepSpeed's monitors
+    receipt.throughput = {**meter.record(), "grad_norm": grad_norm.source, "monitor_step": observe.STEP}
+    samples = list(itertools.accumulate(len(batch) for batch in schedule))  # the monitors' step: documents trained
     began, state_s_before = time.perf_counter(), receipt.state_s
     receipt.first_update_at = time.time()  # this process's start-up ends here (not part of the resumable counters)
-    for update in tqdm(range(start, len(schedule)), initial=start, total=len(schedule), desc="updates",
-                       disable=not run.is_main):
+    bar = tqdm(range(start, len(schedule)), initial=start, total=len(schedule), desc="updates", disable=not run.is_main)
+    for update in bar:
         batch = schedule[update]
+        if monitor:
+            monitor.samples = samples[update]  # DeepSpeed's own events during this update's step
         t0 = time.perf_counter()
         gpu_peaks.start()
         lr = engine.optimizer.param_groups[0]["lr"]  # the rate this update steps with
@@ -193,6 +259,11 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
         grad_bytes = counts["deepspeed_grad_bytes"] + reducer_bytes
         receipt.record_update(seconds, grad_bytes, counts["other_bytes"], compressed, gpu_peaks.take(),
                               deepspeed_grad_bytes=counts["deepspeed_grad_bytes"])
+        # The compression error (a pass over the error memory and a scalar all-reduce, which only a PowerSGD arm
+        # would pay) is computed for the monitors that show it; monitor.enabled is the ds_config's, alike on all ranks.
+        figures = {**meter.figures(batch, seconds), "grad_norm": grad_norm.take(),
+                   **(throughput.compression_error(seam, engine.device) if monitor else {})}
+        receipt.record_throughput(figures)
         loss = global_loss(local_nll, batch, prepared, engine.device)
         gap = delta_gap(run, engine.device)
         experts = run.experts.finish_update(update + 1, run.rank, engine.device) if run.experts else None
@@ -200,13 +271,18 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
             receipt.update_experts.append(experts)
         if gap is not None:
             receipt.update_delta_gap.append(gap)
-        log.write({"update": update + 1, "loss": loss, "lr": lr, "update_s": seconds, "compressed": compressed,
-                   "grad_bytes": grad_bytes, "deepspeed_grad_bytes": counts["deepspeed_grad_bytes"],
-                   "reducer_bytes": reducer_bytes, "logged_reducer_bytes": counts["logged_reducer_bytes"],
-                   "parameter_bytes": counts["other_bytes"], "microbatch_sums": seam.sums,
-                   **({"delta_gap_max": gap} if gap is not None else {}),
-                   **({"expert_load": experts["load"], "dead_experts": experts["dead"],
-                       "aux_loss": experts["aux_loss"]} if experts else {})})
+        record = {"update": update + 1, "loss": loss, "lr": lr, "update_s": seconds, "compressed": compressed,
+                  "grad_bytes": grad_bytes, "deepspeed_grad_bytes": counts["deepspeed_grad_bytes"],
+                  "reducer_bytes": reducer_bytes, "logged_reducer_bytes": counts["logged_reducer_bytes"],
+                  "parameter_bytes": counts["other_bytes"], "microbatch_sums": seam.sums, **figures,
+                  **({"delta_gap_max": gap} if gap is not None else {}),
+                  **({"expert_load": experts["load"], "dead_experts": experts["dead"],
+                      "aux_loss": experts["aux_loss"]} if experts else {})}
+        log.write(record)
+        if monitor:
+            monitor.write(record, samples[update])
+        bar.set_postfix(loss=f"{loss:.4f}", s_per_update=f"{seconds:.2f}", tokens_per_s=f"{figures['tokens_per_s']:.0f}",
+                        MB_sent=f"{(grad_bytes + counts['other_bytes']) / 1e6:.2f}", refresh=False)
         keeper.after_update(update + 1, receipt)
         counter.take()  # a replica check's or state save's collectives belong to no update
     ledger = seam.ledger  # None under DeepSpeed's own reduction
@@ -215,6 +291,8 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
     # State saves and replica checks are timed apart (receipt.state_s), so resumed or not, active_s is training.
     receipt.active_s += time.perf_counter() - began - (receipt.state_s - state_s_before)
     log.close()
+    if monitor:
+        monitor.close()
     return receipt
 
 
@@ -222,9 +300,9 @@ def delta_gap(run: Run, device) -> float | None:
     """Under delta parameter sync, the largest |master − replica| on any rank after this update (else None)."""
     if run.reducer is None or run.reducer.parameter_sync != "delta":
         return None
-    gap = torch.tensor([patches.take_delta_gap()], dtype=torch.float64, device=device)
+    gap = patches.take_delta_gap(device).to(torch.float64).reshape(1)  # kept on the device through the step
     dist.all_reduce(gap, op=dist.ReduceOp.MAX)  # torch.distributed: no update's byte count
-    return gap.item()
+    return gap.item()  # the update's one wait for the gap, after its timing
 
 
 def reduction_ran(seam, receipt: Receipt) -> dict:
@@ -370,6 +448,7 @@ def train_owned(run: Run, overwrite: bool, resume_from: state_mod.ResumePoint | 
     active_plus_checkpoint = receipt.active_s + receipt.state_s + time.perf_counter() - t0
     extra = {"zero_stage": engine_mod.zero_stage(engine), "reducer": seam.name,
              "prepared_identity": identity, "comms_logged": patches.comms_logged(),
+             "comms_logger": patches.comms_logger_receipt(),
              "parameter_all_gather": patches.parameter_all_gather(engine),
              "reduction_ran": reduction_ran(seam, receipt),
              **patches.optimizer_memory(engine), "device": str(engine.device),
@@ -377,7 +456,7 @@ def train_owned(run: Run, overwrite: bool, resume_from: state_mod.ResumePoint | 
              "precision": ds_precision(json.loads(run.ds_config_path.read_text())),
              "startup": startup(receipt.first_update_at),
              "experts": run.experts and {**run.experts.declared(), **experts_mod.summary(receipt.update_experts)},
-             "budget": budget}
+             "budget": budget, "activation_checkpointing": engine_mod.checkpointing_record(engine)}
     body = receipt.finish(run.out / "receipts" / f"rank-{run.rank}.json", root, active_plus_checkpoint, extra)
     dist.barrier()
     if run.is_main:
@@ -385,7 +464,8 @@ def train_owned(run: Run, overwrite: bool, resume_from: state_mod.ResumePoint | 
                        model={"spec": model_ref.spec, "kind": model_ref.kind, "sha256": model_ref.sha256},
                        zero_stage=extra["zero_stage"], reducer=extra["reducer"], precision=extra["precision"],
                        resumed_from_update=body["resumed_from_update"], resumed_from=resumed,
-                       cohort=run.start and {**run.start.provenance, "start": started}, budget=budget)
+                       cohort=run.start and {**run.start.provenance, "start": started}, budget=budget,
+                       activation_checkpointing=extra["activation_checkpointing"])
         print(json.dumps({"run": str(run.out), "parameter_root": root, "active_s": round(body["active_s"], 3)}),
               flush=True)
     return body

@@ -57,6 +57,39 @@ def validate_ds_config(config: dict) -> None:
     if not isinstance(opt["params"].get("torch_adam", False), bool):
         raise DsConfigError(f"optimizer.params.torch_adam={opt['params']['torch_adam']!r}: use true (torch's AdamW, "
                             "the shipped configs) or false (DeepSpeed's FusedAdam on CUDA, see docs/gpu.md)")
+    activation_checkpointing(config)
+
+
+CHECKPOINTING = "non-reentrant torch.utils.checkpoint around every decoder layer (transformers' gradient_checkpointing)"
+"""What an "activation_checkpointing" section switches on, as the receipts say it."""
+CHECKPOINTING_DEFAULTS = {"partition_activations": False, "cpu_checkpointing": False,
+                          "contiguous_memory_optimization": False, "synchronize_checkpoint_boundary": False,
+                          "profile": False, "number_checkpoints": None}
+"""DeepSpeed's sub-keys, accepted at these (DeepSpeed's own) defaults: each configures deepspeed.checkpointing,
+an API that a model's code must call and transformers' models do not."""
+
+
+def activation_checkpointing(config: dict) -> dict | None:
+    """The "activation_checkpointing" section: None when absent, else the record of what nshard runs. Its presence
+    switches checkpointing on; a sub-key away from DeepSpeed's default, or one DeepSpeed does not know, is refused."""
+    section = config.get("activation_checkpointing")
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        raise DsConfigError(f"activation_checkpointing={json.dumps(section)}: use an object; {{}} switches non-reentrant "
+                            "activation checkpointing on, leaving the section out switches it off")
+    for key, value in section.items():
+        if key not in CHECKPOINTING_DEFAULTS:
+            raise DsConfigError(f"activation_checkpointing.{key}: not a DeepSpeed activation_checkpointing key "
+                                f"({', '.join(CHECKPOINTING_DEFAULTS)}); the section's presence is the switch "
+                                "(leave it out to switch checkpointing off): remove the key")
+        if value != CHECKPOINTING_DEFAULTS[key]:
+            default = json.dumps(CHECKPOINTING_DEFAULTS[key])
+            raise DsConfigError(f"activation_checkpointing.{key}={json.dumps(value)}: it configures DeepSpeed's "
+                                "deepspeed.checkpointing API, which transformers' models do not call; nshard "
+                                "checkpoints every decoder layer with torch's non-reentrant checkpoint instead. "
+                                f"Remove the key or set it to {default}")
+    return {"kind": CHECKPOINTING, "use_reentrant": False, "ds_config": dict(section)}
 
 
 TORCH_ADAMW = "torch AdamW"

@@ -16,7 +16,8 @@ from nshard.comm.config import ReducerConfig
 from nshard.files import note_one_time_work
 from nshard.seam import patches
 from nshard.seam.chunked_adamw import CHUNK_ELEMENTS, chunk_steps
-from nshard.seam.ds_config import TORCH_ADAMW, ingest_mode, optimizer_path
+from nshard.seam.ds_config import (CHECKPOINTING, TORCH_ADAMW, DsConfigError, activation_checkpointing,
+                                    ingest_mode, optimizer_path)
 
 
 def torch_adamw(params, config: dict) -> torch.optim.Optimizer:
@@ -31,6 +32,8 @@ def build_engine(model: torch.nn.Module, config: dict):
     import deepspeed
 
     config = copy.deepcopy(config)
+    if activation_checkpointing(config) is not None:
+        checkpoint_activations(model)
     optimizer = None
     if optimizer_path(config, torch.cuda.is_available()) == TORCH_ADAMW:
         optimizer = torch_adamw(model.parameters(), config)
@@ -41,8 +44,10 @@ def build_engine(model: torch.nn.Module, config: dict):
             chunk_steps(optimizer, chunk)
         config.pop("optimizer")
         config.setdefault("zero_allow_untested_optimizer", True)
-    # Counting bytes needs the comms logger; leave a user's own setting alone.
-    config.setdefault("comms_logger", {"enabled": True, "verbose": False, "prof_all": True, "debug": False})
+    # DeepSpeed's comms logger counts its own collectives' bytes, but syncs the device after each: on where that is
+    # free (the CPU), on a GPU only if the ds_config asks (patches.comms_logger_config); a user's block is kept.
+    patches.comms_logger_config(config, patches.device_syncs_per_collective())
+    patches.install_grad_count()  # DeepSpeed's gradient bytes, counted with the logger off too
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                            model_parameters=None if optimizer else model.parameters())
     patches.guard(engine)  # every private symbol below and in install_reducer, checked before any is touched
@@ -52,6 +57,34 @@ def build_engine(model: torch.nn.Module, config: dict):
         patches.install_parameter_gather(ring=reference_switch("NSHARD_PARAMETER_GATHER", ("ring", "deepspeed")) == "ring")
         patches.open_ring_lanes(engine)
     return engine
+
+
+def checkpoint_activations(model: torch.nn.Module) -> None:
+    """The ds_config's "activation_checkpointing" section: each decoder layer keeps only its input and recomputes
+    its forward in backward. Non-reentrant, because the ingest seam (ZeRO-1/2, bf16) backpropagates with
+    torch.autograd.grad, which reentrant checkpointing refuses; the recomputation runs in the module's train mode."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise DsConfigError(f"activation_checkpointing: {type(model).__name__} does not support transformers' "
+                            "gradient checkpointing; remove the section from the ds_config")
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.25; the old name warns
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def checkpointing_record(engine) -> dict | None:
+    """What ran, read back from the module for the receipts and run.json: how many decoder layers recompute their
+    forward and with which checkpoint kind (None: checkpointing is off)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in engine.module.modules()
+              if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    if not layers:
+        return None
+    kinds = {getattr(m._gradient_checkpointing_func, "keywords", {}).get("use_reentrant") for m in layers}
+    return {"kind": CHECKPOINTING, "use_reentrant": kinds.pop() if len(kinds) == 1 else sorted(map(str, kinds)),
+            "checkpointed_layers": len(layers)}
 
 
 def reference_switch(variable: str, choices: tuple[str, ...]) -> str:

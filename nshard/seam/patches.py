@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import sys
 
 import torch
@@ -25,8 +26,11 @@ GRAD_OPS = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "reduce", "
 
 # The engine's public API as nshard uses it (listed so that a use outside it shows up in tests/test_layout.py).
 ENGINE_API = ("module", "optimizer", "basic_optimizer", "device", "backward", "step", "train", "zero_optimization_stage",
+              "gradient_clipping", "clip_fp32_gradients", "mpu",
               "bfloat16_enabled", "fp16_enabled", "gradient_accumulation_steps", "save_checkpoint",
-              "load_checkpoint")
+              "load_checkpoint",
+              # nshard/seam/observe.py: the monitor it stands in for, the norm DeepSpeed computes, the boundary.
+              "monitor", "get_global_grad_norm", "is_gradient_accumulation_boundary")
 # What every DeepSpeed optimizer wrapper shares with torch.optim.Optimizer and nshard reads.
 OPTIMIZER_API = ("param_groups",)
 # Private: the stage-0 all-reduce switch, and zero_grad, which nshard replaces at stage 0 in fp32.
@@ -94,6 +98,57 @@ def guard(engine) -> None:
 # ---------------------------------------------------------------- patches
 
 
+GRAD_COUNT = {"calls": 0, "bytes_sent": 0}
+"""DeepSpeed's own gradient collectives (GRAD_OPS) as nshard counts them, on every backend: the receipts' source for
+DeepSpeed's gradient bytes where its comms logger is off (a GPU, by default: comms_logger_config)."""
+_GRAD_TENSOR_ARG = {"all_reduce": (0, "tensor"), "reduce": (0, "tensor"), "reduce_scatter_tensor": (1, "tensor"),
+                    "reduce_scatter": (1, "input_list"), "all_reduce_coalesced": (0, "tensors")}
+"""Where each GRAD_OPS collective takes the tensor it sends (position, keyword), as DeepSpeed's logger sizes it."""
+_NSHARD_LOG_NAMES = (REDUCER_LOG_NAME, PARAMETER_GATHER_LOG_NAME, DELTA_SYNC_LOG_NAME)
+
+
+def install_grad_count() -> None:
+    """Count the bytes of every deepspeed.comm gradient collective (its engine and ZeRO call them through the module,
+    so the switch reaches them) that is not one of nshard's own, whether or not DeepSpeed's logger runs. Idempotent."""
+    import deepspeed.comm as ds_comm
+
+    assert set(_GRAD_TENSOR_ARG) == set(GRAD_OPS)
+    for op, (position, keyword) in _GRAD_TENSOR_ARG.items():
+        original = getattr(ds_comm, op, None)
+        if original is None or getattr(original, "_nshard_counted", False):
+            continue
+
+        def counted(*args, _original=original, _position=position, _keyword=keyword, **kwargs):
+            if kwargs.get("log_name") not in _NSHARD_LOG_NAMES:
+                sent = args[_position] if len(args) > _position else kwargs.get(_keyword)
+                GRAD_COUNT["calls"] += 1
+                GRAD_COUNT["bytes_sent"] += _message_bytes(sent)
+            return _original(*args, **kwargs)
+
+        counted._nshard_counted = True
+        setattr(ds_comm, op, counted)
+
+
+def _message_bytes(sent) -> int:
+    if sent is None:
+        return 0
+    tensors = sent if isinstance(sent, (list, tuple)) else [sent]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def keep_clip_norm(engine, keep) -> None:
+    """fp32 stage 0 with gradient_clipping: engine.clip_fp32_gradients as DeepSpeed 0.19.8 defines it (its
+    clip_grad_norm_ over the module's parameters, the same arguments), handing the norm it clips by, which DeepSpeed
+    drops, to keep(norm) (a device tensor, read after the update)."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip_keeping_the_norm():
+        keep(clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
+                             mpu=engine.mpu))
+
+    engine.clip_fp32_gradients = clip_keeping_the_norm
+
+
 def keep_gradients_in_place(engine) -> None:
     """DeepSpeed's stage-0 zero_grad sets .grad to None; keep the buffers and zero them, so every parameter
     has a gradient (zero if unused) in every update and nothing is reallocated."""
@@ -106,8 +161,11 @@ def _zero_grads_in_place(module: torch.nn.Module) -> None:
             p.grad.zero_()
 
 
-GATHER_CALLS = {"ring": {"calls": 0, "bytes_sent": 0}, "deepspeed": {"calls": 0}, "delta": {"calls": 0, "bytes_sent": 0}}
-"""Calls of the weights' all-gather that actually ran in this process, by path (what the receipt reports)."""
+GATHER_CALLS = {"ring": {"calls": 0, "bytes_sent": 0}, "deepspeed": {"calls": 0, "bytes_sent": 0},
+                "delta": {"calls": 0, "bytes_sent": 0}}
+"""Calls of the weights' all-gather that actually ran in this process, by path, and the bytes this rank handed to
+each (for DeepSpeed's own all-gather: its partitions, the bytes the comms logger would record). nshard's own count,
+on every backend: the source of the receipts' parameter bytes (CollectiveCounter)."""
 _DEEPSPEED_GATHER = {}  # the module's own all_gather_dp_groups, kept before the first switch
 
 
@@ -146,9 +204,15 @@ def open_ring_lanes(engine) -> None:
         open_second_lane(group)
 
 
-def _counted_deepspeed_gather(original, *args, **kwargs):
+def _counted_deepspeed_gather(original, groups_flat, partitioned_param_groups, dp_process_group, *args, **kwargs):
+    import torch.distributed as dist
+
     GATHER_CALLS["deepspeed"]["calls"] += 1
-    return original(*args, **kwargs)
+    for partitions, group in zip(partitioned_param_groups, dp_process_group):
+        if dist.get_world_size(group=group) > 1:  # DeepSpeed skips a group of one
+            mine = partitions[dist.get_rank(group=group)]
+            GATHER_CALLS["deepspeed"]["bytes_sent"] += mine.numel() * mine.element_size()
+    return original(groups_flat, partitioned_param_groups, dp_process_group, *args, **kwargs)
 
 
 def _all_gather_dp_groups_in_place(groups_flat, partitioned_param_groups, dp_process_group, start_alignment_factor,
@@ -186,8 +250,10 @@ def parameter_all_gather(engine) -> dict | None:
     if "ring" in ran:
         body["log_name"] = PARAMETER_GATHER_LOG_NAME
     if "delta" in ran:
-        body["delta_log_name"] = DELTA_SYNC_LOG_NAME
         body["delta_codec"] = dict(DELTA_SYNC["codec"])
+        body["delta_transport"] = DELTA_SYNC["transport"]
+        if DELTA_SYNC["transport"] == "ring":  # batch_isend_irecv is not logged: nshard's count is the only one
+            body["delta_log_name"] = DELTA_SYNC_LOG_NAME
     return body
 
 
@@ -296,6 +362,38 @@ def optimizer_memory(engine) -> dict[str, int]:
     return {"optimizer_state_bytes": state, "master_param_bytes": masters}
 
 
+LOGGER_BLOCK_NSHARD_SETS = {"enabled": True, "verbose": False, "prof_all": True, "debug": False}
+COMMS_LOGGER = {"asked": None, "device_syncs": None}
+"""How this process's ds_config came by its comms_logger block (see comms_logger_config)."""
+
+
+def device_syncs_per_collective() -> bool:
+    """Whether DeepSpeed's comms logger, when enabled, waits for the device after every collective: it calls
+    get_accelerator().synchronize(), which DeepSpeed's CPU accelerator makes a no-op and every GPU's makes a wait."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() != "cpu"
+
+
+def comms_logger_config(config: dict, device_syncs: bool) -> dict:
+    """The ds_config with nshard's comms_logger rule applied, in place.
+
+    DeepSpeed's comms logger, when enabled, synchronizes the device after every collective it wraps (its own and
+    nshard's), inside every timed update. nshard enables it for its byte counts only where that costs nothing
+    (device_syncs False: DeepSpeed's CPU accelerator). On a GPU it stays off unless the ds_config asks for it
+    (comms_logger.enabled true: kept as written); the receipts' `comms_logger` says which happened. DeepSpeed
+    switches the logger on for any comms_logger block, `"enabled": false` included, so such a block is dropped:
+    it asks for the logger to be off, and off it stays, on the CPU too."""
+    block = config.get("comms_logger")
+    asked = bool(block.get("enabled", False)) if isinstance(block, dict) else block is not None
+    COMMS_LOGGER.update(asked=asked, device_syncs=device_syncs)
+    if block is not None and not asked:
+        del config["comms_logger"]
+    elif block is None and not device_syncs:
+        config["comms_logger"] = dict(LOGGER_BLOCK_NSHARD_SETS)
+    return config
+
+
 def comms_logged() -> bool:
     """Whether DeepSpeed's comms logger counted this run's collectives (a ds_config may switch it off)."""
     import deepspeed.comm as dist
@@ -303,32 +401,85 @@ def comms_logged() -> bool:
     return bool(dist.comms_logger.enabled and dist.comms_logger.prof_all)
 
 
+def comms_logger_receipt() -> dict:
+    """For the receipt: whether DeepSpeed's comms logger ran, who asked for it, and whether it synchronized the
+    device after every collective (inside the timed updates)."""
+    import deepspeed.comm as dist
+
+    enabled = bool(dist.comms_logger.enabled)
+    asked = COMMS_LOGGER["asked"]
+    return {"enabled": enabled, "counted": comms_logged(),
+            "set_by": "ds_config" if asked else "nshard" if enabled else None,
+            "device_sync_per_collective": enabled and bool(COMMS_LOGGER["device_syncs"])}
+
+
 class CollectiveCounter:
-    """Bytes this rank handed to deepspeed.comm collectives since the last call, split gradient/parameter."""
+    """Bytes this rank handed to collectives since the last call, split gradient/parameter.
+
+    `deepspeed_grad_bytes` comes from DeepSpeed's comms logger, or from nshard's own count (GRAD_COUNT) when the
+    logger is off; `logged_reducer_bytes` from the logger (None when it is off). `other_bytes` (the weights' all-gather and the rest) takes nshard's own count (GATHER_CALLS) for every
+    all-gather nshard runs: its ring, delta sync on either transport (batch_isend_irecv, as on NCCL, bypasses the
+    logger) and, with the logger off, DeepSpeed's own all-gather; the logger adds the rest. `delta_bytes` is
+    nshard's count of delta sync's bytes, `logged_delta_bytes` the logger's where it sees them (else None)."""
 
     def __init__(self):
         self._seen: dict[str, int] = {}
+        self._sent: dict[str, int] = {}
+        self._grad = GRAD_COUNT["bytes_sent"]
 
-    def take(self) -> dict[str, int]:
+    def _logged(self) -> dict[str, int]:
         import deepspeed.comm as dist
 
-        totals: dict[str, int] = {}
-        for name, by_size in dist.comms_logger.comms_dict.items():
-            totals[name] = sum(size * rec[0] for size, rec in by_size.items())
+        totals = {name: sum(size * rec[0] for size, rec in by_size.items())
+                  for name, by_size in dist.comms_logger.comms_dict.items()}
         delta = {k: v - self._seen.get(k, 0) for k, v in totals.items() if v != self._seen.get(k, 0)}
         self._seen = totals
-        grad = sum(v for k, v in delta.items() if k in GRAD_OPS)
-        reducer = delta.get(REDUCER_LOG_NAME, 0)
-        return {"deepspeed_grad_bytes": grad, "logged_reducer_bytes": reducer,
-                "other_bytes": sum(delta.values()) - grad - reducer}
+        return delta
+
+    def _counted(self) -> dict[str, int]:
+        sent = {path: counts["bytes_sent"] for path, counts in GATHER_CALLS.items()}
+        delta = {path: sent[path] - self._sent.get(path, 0) for path in sent}
+        self._sent = sent
+        return delta
+
+    def take(self) -> dict:
+        logged, counted, on = self._logged(), self._counted(), comms_logged()
+        grad_counted, self._grad = GRAD_COUNT["bytes_sent"] - self._grad, GRAD_COUNT["bytes_sent"]
+        grad = sum(v for k, v in logged.items() if k in GRAD_OPS) if on else grad_counted
+        reducer = logged.get(REDUCER_LOG_NAME, 0)
+        # The logger's records of nshard's own sends are replaced by nshard's count of them.
+        nshard_logged = logged.get(PARAMETER_GATHER_LOG_NAME, 0) + logged.get(DELTA_SYNC_LOG_NAME, 0)
+        rest = sum(logged.values()) - grad - reducer - nshard_logged
+        other = rest + counted["ring"] + counted["delta"] + (0 if on else counted["deepspeed"])
+        delta_logged = on and DELTA_SYNC["transport"] == "ring"
+        return {"deepspeed_grad_bytes": grad, "logged_reducer_bytes": reducer if on else None,
+                "other_bytes": other, "delta_bytes": counted["delta"],
+                "logged_delta_bytes": logged.get(DELTA_SYNC_LOG_NAME, 0) if delta_logged else None}
 
 
 # ---------------------------------------------------------------- delta parameter sync
 
 
-DELTA_SYNC = {"codec": {}, "gap_max": 0.0, "swapped": {}}
-"""This process's delta sync: its codec, the largest master − replica gap since take_delta_gap(), and the masters
-set aside while ZeRO's step() copies "master" into the replica (see install_delta_sync)."""
+DELTA_SYNC = {"codec": {}, "transport": None, "gap_max": None, "swapped": {}}
+"""This process's delta sync: its codec and transport, the largest master − replica gap since take_delta_gap() (a
+device tensor, read once per update), and the masters set aside while ZeRO's step() copies "master" into the
+replica (see install_delta_sync)."""
+DELTA_TRANSPORT_VARIABLE = "NSHARD_DELTA_TRANSPORT"
+DELTA_TRANSPORTS = {"ring": "isend/irecv ring (DeepSpeed's comms logger sees it); the gap closed by a ring all-gather",
+                    "batched": "batch_isend_irecv; the gap closed by all_gather (NCCL's path; gloo runs it too)"}
+
+
+def delta_transport(backend: str) -> str:
+    """How delta sync moves its partitions: NSHARD_DELTA_TRANSPORT (ring or batched), else ring on gloo and batched
+    elsewhere. Setting it to batched on gloo runs NCCL's code on CPU tensors (how the suite covers it)."""
+    value = os.environ.get(DELTA_TRANSPORT_VARIABLE) or ("ring" if backend == "gloo" else "batched")
+    if value not in DELTA_TRANSPORTS:
+        raise ValueError(f"{DELTA_TRANSPORT_VARIABLE}={value!r}: set it to ring or batched (or unset it: ring on "
+                         "gloo, batched otherwise)")
+    if value == "ring" and backend != "gloo":
+        raise ValueError(f"{DELTA_TRANSPORT_VARIABLE}=ring needs the gloo backend ({backend} can deadlock a lone "
+                         "isend before its irecv); unset it or set it to batched")
+    return value
 
 
 def install_delta_sync(engine, codec) -> None:
@@ -354,7 +505,8 @@ def install_delta_sync(engine, codec) -> None:
         raise DeepSpeedAPIMoved(f"delta parameter sync needs ZeRO-1/2's masters and replicas; {type(optimizer).__name__} "
                                 f"lacks {missing}; port nshard/seam/patches.py:install_delta_sync")
     DELTA_SYNC["codec"] = dataclasses.asdict(codec)
-    exchange = _delta_exchange(dist.get_backend())
+    DELTA_SYNC["transport"] = delta_transport(dist.get_backend())
+    exchange = _delta_exchange(DELTA_SYNC["transport"])
     original_step = optimizer._optimizer_step
 
     def step_group(i: int) -> None:
@@ -371,13 +523,13 @@ def install_delta_sync(engine, codec) -> None:
     stage_1_and_2.all_gather_dp_groups = functools.partial(_after_delta_sync, optimizer)
 
 
-def _delta_exchange(backend: str):
+def _delta_exchange(transport: str):
     import deepspeed.comm as ds_comm
     import torch.distributed as dist
 
     from nshard.comm.delta import exchange_batched, exchange_isend_irecv
 
-    if backend == "gloo":  # logged, so the receipts count the bytes as the weights' share of the update
+    if transport == "ring":  # logged too, so the logger's count checks nshard's (CollectiveCounter)
         return exchange_isend_irecv(functools.partial(ds_comm.isend, log_name=DELTA_SYNC_LOG_NAME), dist.irecv)
     return exchange_batched
 
@@ -385,14 +537,16 @@ def _delta_exchange(backend: str):
 def _sync_group(optimizer, codec, exchange, masters, replicas, i: int) -> int:
     import deepspeed.comm as ds_comm
 
-    from nshard.comm.delta import delta_sync_, max_gap
+    from nshard.comm.delta import delta_sync_, gap_max_
 
     group = optimizer.real_dp_process_group[i]
     me = ds_comm.get_rank(group=group)
     sent = delta_sync_(codec, masters[i], replicas[i], group, exchange)
     GATHER_CALLS["delta"]["calls"] += 1
     GATHER_CALLS["delta"]["bytes_sent"] += sent
-    DELTA_SYNC["gap_max"] = max(DELTA_SYNC["gap_max"], max_gap(masters[i], replicas[i][me]))
+    if DELTA_SYNC["gap_max"] is None:
+        DELTA_SYNC["gap_max"] = torch.zeros((), dtype=torch.float32, device=masters[i].device)
+    gap_max_(DELTA_SYNC["gap_max"], masters[i], replicas[i][me])  # on the device: read once per update
     return me
 
 
@@ -408,28 +562,42 @@ def _after_delta_sync(optimizer, *args, **kwargs) -> None:
     swapped.clear()
 
 
-def take_delta_gap() -> float:
-    """The largest |master − replica| on this rank since the last call (0.0 without delta sync)."""
-    gap, DELTA_SYNC["gap_max"] = DELTA_SYNC["gap_max"], 0.0
-    return gap
+def take_delta_gap(device) -> torch.Tensor:
+    """The largest |master − replica| on this rank since the last call, as an fp32 scalar on `device` (0 without
+    delta sync); reading it is the update's one wait for the gap."""
+    gap, DELTA_SYNC["gap_max"] = DELTA_SYNC["gap_max"], None
+    return torch.zeros((), dtype=torch.float32, device=device) if gap is None else gap
 
 
 @torch.no_grad()
-def close_delta_gap(engine) -> None:
+def close_delta_gap(engine, transport: str | None = None) -> None:
     """Every replica := its master, once, in place (a collective: all ranks). The run calls it after its last
     complete state is saved (which keeps the gap), so that the export holds the masters (rounded to the module's
-    dtype, as any ZeRO export is) without a second copy of the model on any rank."""
+    dtype, as any ZeRO export is) without a second copy of the model on any rank. `transport` as delta sync's
+    (default: the one it ran)."""
+    import torch.distributed as dist
+
+    optimizer = engine.optimizer
+    transport = transport or DELTA_SYNC["transport"] or delta_transport(dist.get_backend())
+    for i, master in enumerate(optimizer.single_partition_of_fp32_groups):
+        close_gap_(master, optimizer.parallel_partitioned_bit16_groups[i], optimizer.real_dp_process_group[i],
+                   transport)
+
+
+@torch.no_grad()
+def close_gap_(master: torch.Tensor, partitions, group, transport: str) -> None:
+    """This rank's replica partition := its master (rounded to the replicas' dtype), then every rank's partition
+    gathered into every rank's replicas: by the ring of isend/irecv ("ring", gloo), or by all_gather ("batched":
+    NCCL's path, which gloo runs on CPU tensors too)."""
     import torch.distributed as dist
 
     from nshard.seam.param_gather import ring_all_gather_
 
-    optimizer = engine.optimizer
-    for i, master in enumerate(optimizer.single_partition_of_fp32_groups):
-        group = optimizer.real_dp_process_group[i]
-        partitions = optimizer.parallel_partitioned_bit16_groups[i]
-        mine = partitions[dist.get_rank(group=group)]
-        mine.copy_(master)
-        if dist.get_backend() == "gloo":
-            ring_all_gather_(partitions, group)
-        else:
-            dist.all_gather(list(partitions), mine.clone(), group=group)
+    if transport not in DELTA_TRANSPORTS:
+        raise ValueError(f"transport {transport!r}: use one of {sorted(DELTA_TRANSPORTS)}")
+    mine = partitions[dist.get_rank(group=group)]
+    mine.copy_(master)
+    if transport == "ring":
+        ring_all_gather_(partitions, group)
+    else:
+        dist.all_gather(list(partitions), mine.clone(), group=group)

@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from nshard.cli import SPELLING_NOTE, ArgumentParser, prog
 from nshard.evidence.commit import files_sha256
 from nshard.files import file_sha256
 from nshard.run.cohort import CohortError, read_json
@@ -83,12 +84,17 @@ def validate_scores(study: Path, results: dict) -> None:
         raise CohortError(f"cohort.from: the study's results do not validate: {exc}") from None
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(prog=prog("nshard.study.cohort"), description=__doc__,
+                            epilog="Writes nothing: prints the acceptance record. " + SPELLING_NOTE)
     parser.add_argument("study_dir", type=Path, help="a finished study directory (python -m nshard.study --out)")
     parser.add_argument("--start", default="state", choices=("state", "weights"))
     parser.add_argument("--ranks", type=int, default=2, help="ranks that continue its state (start = state)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         cohort = CohortSection(from_study=str(args.study_dir.resolve()), start=args.start)
         record = accept(Plan(name="check", cohort=cohort), (args.ranks,))

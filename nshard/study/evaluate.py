@@ -2,7 +2,7 @@
 with own data, loss per response token on the held-out rows and greedy exact match on those with an expected answer.
 
     python -m nshard.study.evaluate --run RUN_DIR --model MODEL_DIR --label NAME --out EVAL_DIR \
-        (--commitment COMMITMENT.json | --exploratory) [--seed-eval SEED_EVAL_DIR]
+        (--commitment COMMITMENT.json | --exploratory) [--seed_eval SEED_EVAL_DIR]
 
 Writes EVAL_DIR/cases.jsonl (one line per case; an own held-out row with an expected answer is a case of family
 "chat"), retention.jsonl (one line per retention document), heldout.jsonl (one line per own held-out row) and
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nshard import tasks
+from nshard.cli import SPELLING_NOTE, ArgumentParser, prog
 from nshard.files import write_json_atomic, write_jsonl_atomic
 
 CASE_ID = re.compile(r"^(?P<family>[a-z_]+)-s(?P<seed>\d+)-(?P<index>\d+)$")
@@ -458,18 +459,22 @@ def side_by_side(fn, jobs: list[tuple], processes: int, threads: int | None) -> 
             os.environ["OMP_NUM_THREADS"] = before
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(prog=prog("nshard.study.evaluate"), description=__doc__, epilog=SPELLING_NOTE)
     parser.add_argument("--run", required=True, type=Path, help="run directory whose prepared/ sets are scored")
     parser.add_argument("--model", required=True, type=Path, help="model directory (transformers, safetensors)")
     parser.add_argument("--label", required=True, help="name of this model in the outputs")
     parser.add_argument("--out", required=True, type=Path, help="evaluation directory to write")
     parser.add_argument("--commitment", type=Path, help="commitment record that must name the model")
     parser.add_argument("--exploratory", action="store_true", help="score without a commitment; outputs say so")
-    parser.add_argument("--seed-eval", type=Path, help="the seed model's evaluation dir (retention change)")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--batch-size", type=int, default=16)
-    args = parser.parse_args(argv)
+    parser.add_argument("--seed_eval", type=Path, help="the seed model's evaluation dir (retention change)")
+    parser.add_argument("--max_new_tokens", type=int, default=48)
+    parser.add_argument("--batch_size", type=int, default=16)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     from nshard.evidence.commit import CommitError
 
     try:

@@ -1,7 +1,7 @@
 """The study: train the plan's arms, commit them together, score the seed and every candidate,
 validate the scores, and analyze (screens, report, plots).
 
-    python -m nshard.study --plan PLAN [--out DIR] [--exploratory]
+    python -m nshard.study --plan PLAN [--out DIR] [--set SECTION.KEY=VALUE ...] [--exploratory]   (or nshard-study)
 
 DIR (default runs/<plan name>, as launch/study.sh and nshard/train.py name it) holds study.json, arms/<arm>/ (one run directory each),
 logs/, commitment.json, eval/<model>/, validation.json, results.json, report.md, plots/, and last
@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from nshard import lock
+from nshard.cli import SPELLING_NOTE, ArgumentParser, add_plan_overrides, plan_with_overrides, prog
 from nshard.evidence.archive import ArchiveError, create_study_archive
 from nshard.files import file_sha256, write_json_atomic
 from nshard.run.device import cuda_available
@@ -64,7 +65,7 @@ def launch_command(arm: ArmSpec, plan: Plan, plan_path: Path, ds_config: Path, r
     deepspeed = str(Path(sys.executable).with_name("deepspeed"))
     return [deepspeed, *launcher_where(arm, plan, hosts), "--master_port", str(port), str(TRAIN_SCRIPT),
             "--ds_config", str(ds_config), "--plan", str(plan_path), "--out", str(run_dir), "--overwrite",
-            *([] if arm.replay else ["--no-replay"]),
+            *([] if arm.replay else ["--no_replay"]),
             *(["--grown", str(growth_mod.grown_dir(run_dir.parent.parent))] if arm.grown else [])]
 
 
@@ -429,8 +430,9 @@ def validate_scores(plan: Plan, arm_plans: dict[str, Path], out: Path, done: dic
     return validation
 
 
-def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = False) -> dict:
-    plan_path = Path(plan_path).resolve()
+def run_study(plan_path: Path, out: Path | None = None, exploratory: bool = False, overrides=()) -> dict:
+    """overrides: --set SECTION.KEY=VALUE texts; the arms then train on the plan file that holds them."""
+    plan_path = plan_with_overrides(Path(plan_path).resolve(), overrides)
     plan = load_plan(plan_path)
     out = Path(out or default_out(plan)).resolve()
     check_arms(plan, plan_path)  # every ds_config and the hostfile, before the first arm starts
@@ -518,13 +520,20 @@ def run_owned(plan: Plan, plan_path: Path, out: Path, exploratory: bool) -> dict
     return json.loads((out / "results.json").read_text())
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    epilog = ("Writes the study directory DIR described above (with --set, the plan with its overrides is its "
+              "plan.toml, and every arm trains on it). " + SPELLING_NOTE)
+    parser = ArgumentParser(prog=prog("nshard.study"), description=__doc__, epilog=epilog)
     parser.add_argument("--plan", required=True, type=Path, help="experiment plan TOML with a [study] section")
+    add_plan_overrides(parser)
     parser.add_argument("--out", type=Path, help="study directory (default runs/<plan name>)")
     parser.add_argument("--exploratory", action="store_true",
                         help="score without a commitment; every output is marked exploratory")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     from nshard.evidence.commit import CommitError
     from nshard.study.evaluate import EvalError
     from nshard.run.data import DataError
@@ -535,7 +544,7 @@ def main(argv=None) -> int:
 
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     try:
-        results = run_study(args.plan, args.out, args.exploratory)
+        results = run_study(args.plan, args.out, args.exploratory, args.set)
     except (PlanError, DataError, DsConfigError, StudyError, CommitError, EvalError, ValidationError, HostfileError,
             ArchiveError, placement_mod.PlacementError, lock.LockError, growth_mod.GrowthError, ServingError,
             OSError) as exc:

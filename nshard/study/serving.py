@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from nshard.cli import SPELLING_NOTE, ArgumentParser, prog
 from nshard.files import write_json_atomic
 from nshard.run.receipts import peak_rss_bytes
 
@@ -112,15 +113,20 @@ def measure_all(models: dict[str, Path], run_dir: Path, out: Path, batch: int, n
     return results
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(prog=prog("nshard.study.serving"), description=__doc__,
+                            epilog="Writes --out JSON (the measurements, atomically). " + SPELLING_NOTE)
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("--run", required=True, type=Path, help="the run whose prepared sets give the prompts")
-    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path, help="the JSON file to write")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--new_tokens", type=int, default=32)
     parser.add_argument("--prompts", type=int, default=4)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     write_json_atomic(args.out, measure(args.model_dir, args.run, args.batch, args.new_tokens, args.prompts))
     return 0
 

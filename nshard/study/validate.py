@@ -1,7 +1,7 @@
 """Post-scoring validation: a separate pass that trusts nothing the evaluation wrote.
 
     python -m nshard.study.validate --run RUN_DIR --tokenizer MODEL_DIR [--commitment C.json] [--plan PLAN]
-        [--no-regenerate] EVAL_DIR [EVAL_DIR ...]
+        [--no_regenerate] EVAL_DIR [EVAL_DIR ...]
 
 Prepared inputs: it rebuilds the training documents, schedule and evaluation sets from the plan (the
 run's plan.toml unless --plan names the study's) and compares their identity with the run's, and it
@@ -12,7 +12,7 @@ stored text, and re-scores the text; every evaluation must hold the same case ID
 expected answer (own chat data) is a case too, checked against its prepared prompt and expected answer.
 Retention: every candidate's change is recomputed from its own and the seed's stored losses; the seed is
 the evaluation whose model files the commitment record names as the seed (by label only without a record).
-Regeneration (unless --no-regenerate): every model's greedy answers to every case are generated again, by the
+Regeneration (unless --no_regenerate): every model's greedy answers to every case are generated again, by the
 call scoring made (same batches, padding, placement, dtype and thread count), and their token ids compared; every
 retention document and every own held-out row is scored again. On a CPU of several cores each model's batches
 are shared among a process per core, as the study scores them (evaluate.side_by_side_layout). A differing token
@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from nshard import tasks
+from nshard.cli import SPELLING_NOTE, ArgumentParser, prog
 from nshard.seam.launch_env import usable_cores
 from nshard.study.evaluate import (EvalError, answer_target, case_from_id, exact_match, heldout_summary,
                                    load_run_sets, prompt_ids, read_jsonl)
@@ -437,7 +438,7 @@ def check_evaluation(label: str, d: Path, summary: dict, sets, case_ids: list[st
     if not is_seed and seed_rows is None:
         _fail(label, "retention.jsonl", "no seed evaluation to recompute its retention change against")
     if not is_seed and not summary.get("with_seed_retention"):
-        _fail(label, "summary.json", "scored without the seed's retention losses; score it with --seed-eval")
+        _fail(label, "summary.json", "scored without the seed's retention losses; score it with --seed_eval")
     retention_rows = read_jsonl(d / "retention.jsonl")
     check_retention(label, retention_rows, sets.retention, None if is_seed else seed_rows)
     heldout_rows = []
@@ -458,25 +459,31 @@ def check_evaluation(label: str, d: Path, summary: dict, sets, case_ids: list[st
     return out, (rows, retention_rows, heldout_rows)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    epilog = ("Writes nothing of its own: prints the validation report as one JSON line (a study writes it to "
+              "STUDY_DIR/validation.json). " + SPELLING_NOTE)
+    parser = ArgumentParser(prog=prog("nshard.study.validate"), description=__doc__, epilog=epilog)
     parser.add_argument("--run", required=True, type=Path, help="run directory whose prepared/ sets were scored")
     parser.add_argument("--tokenizer", required=True, type=Path, help="model directory with the tokenizer")
     parser.add_argument("--commitment", type=Path, help="the study's commitment record (finds the seed by its files)")
     parser.add_argument("--plan", type=Path, help="plan to rebuild the prepared inputs from (default: RUN/plan.toml)")
-    parser.add_argument("--no-regenerate", action="store_true",
+    parser.add_argument("--no_regenerate", action="store_true",
                         help="check the stored files against each other only; the analysis then calls the result "
                              "exploratory")
-    parser.add_argument("--regenerate-batches", help=argparse.SUPPRESS)
+    parser.add_argument("--regenerate_batches", help=argparse.SUPPRESS)
     parser.add_argument("evals", nargs="+", type=Path, help="evaluation directories (label = directory name)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     from nshard.evidence.commit import CommitError, load_commitment
     from nshard.run.models import ModelRef, load_tokenizer
 
     if args.regenerate_batches is not None:
-        print("nshard.validate: error: --regenerate-batches is gone: validation now generates every answer and "
+        print("nshard.validate: error: --regenerate_batches is gone: validation now generates every answer and "
               "scores every retention document again (a sample of batches could miss a forged case); drop the "
-              "option, or give --no-regenerate to skip regeneration", file=sys.stderr)
+              "option, or give --no_regenerate to skip regeneration", file=sys.stderr)
         return 2
     tokenizer = load_tokenizer(ModelRef(str(args.tokenizer), str(args.tokenizer.resolve()), None, "local"))
     try:
