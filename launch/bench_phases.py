@@ -243,13 +243,12 @@ def run(args) -> dict:
 
 
 def write(out: Path | None, body: dict) -> None:
-    text = json.dumps(body)
+    """The result on stdout as one JSON line and, with --out, atomically into that file."""
+    from nshard.files import write_json_atomic
+
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(text + "\n")
-        tmp.replace(out)
-    print(text, flush=True)
+        write_json_atomic(out, body)
+    print(json.dumps(body), flush=True)
 
 
 def main(argv=None) -> int:

@@ -39,7 +39,8 @@ def _collectives(rank: int, world: int, logger_on: bool):
     taken = counter.take()
     return {"calls": patches.GRAD_COUNT["calls"] - before["calls"],
             "bytes": patches.GRAD_COUNT["bytes_sent"] - before["bytes_sent"],
-            "deepspeed_grad_bytes": taken["deepspeed_grad_bytes"], "logged": patches.comms_logged()}
+            "deepspeed_grad_bytes": taken["deepspeed_grad_bytes"], "other_bytes": taken["other_bytes"],
+            "logged": patches.comms_logged()}
 
 
 @pytest.mark.slow  # two spawned processes importing DeepSpeed
@@ -50,3 +51,4 @@ def test_deepspeed_gradient_bytes_are_counted_with_the_logger_off_and_agree_with
         assert result["calls"] == 3 and result["bytes"] == 4000 + 600 + 4 * 500 * 2, result
         # The receipts' figure: the logger's where it runs, nshard's count where it does not; the same either way.
         assert result["deepspeed_grad_bytes"] == result["bytes"], result
+        assert result["other_bytes"] == 0, result  # gradient bytes are not taken from the parameters' count

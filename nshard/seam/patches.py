@@ -445,11 +445,12 @@ class CollectiveCounter:
     def take(self) -> dict:
         logged, counted, on = self._logged(), self._counted(), comms_logged()
         grad_counted, self._grad = GRAD_COUNT["bytes_sent"] - self._grad, GRAD_COUNT["bytes_sent"]
-        grad = sum(v for k, v in logged.items() if k in GRAD_OPS) if on else grad_counted
+        grad_logged = sum(v for k, v in logged.items() if k in GRAD_OPS)
+        grad = grad_logged if on else grad_counted
         reducer = logged.get(REDUCER_LOG_NAME, 0)
         # The logger's records of nshard's own sends are replaced by nshard's count of them.
         nshard_logged = logged.get(PARAMETER_GATHER_LOG_NAME, 0) + logged.get(DELTA_SYNC_LOG_NAME, 0)
-        rest = sum(logged.values()) - grad - reducer - nshard_logged
+        rest = sum(logged.values()) - grad_logged - reducer - nshard_logged  # what else the logger saw
         other = rest + counted["ring"] + counted["delta"] + (0 if on else counted["deepspeed"])
         delta_logged = on and DELTA_SYNC["transport"] == "ring"
         return {"deepspeed_grad_bytes": grad, "logged_reducer_bytes": reducer if on else None,
