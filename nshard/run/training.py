@@ -126,11 +126,11 @@ def refused(report: dict) -> bool:
 
 def meta_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     """A model's parameter shapes from its config.json, built on torch's meta device: no weight is read or allocated."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    from nshard.run.models import shaped_model
+
+    model = shaped_model(AutoConfig.from_pretrained(model_dir, local_files_only=True), materialize=False)
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
