@@ -33,7 +33,7 @@ L the largest tensor, w bytes per module weight):
   ZeRO's partition (4L), AdamW's temporaries (two pieces: 8*min(2^18, the tensor); on a GPU the foreach
   path's square roots of every second moment stepped, 4 bytes each), activations; in ZeRO-1/2's
   step, one after another, the gradient norm's fp64 copy of an owned gradient (8L), and what the closing
-  all-gather of the weights stages: nothing under nshard (engine.gather_parameters_in_place sends each
+  all-gather of the weights stages: nothing under nshard (patches.install_parameter_gather sends each
   partition straight into place; likewise a native all-gather, e.g. NCCL), the whole model (w*P) through
   torch's all_gather_into_tensor on gloo (runs before nshard did it in place).
   Under nshard.parameter_sync = "delta" the step's transients add the codec's encoded partitions in flight (one per
@@ -101,7 +101,7 @@ class Config:
     microbatch_sums: str = "exact"  # nshard.microbatch_sums
     reduce_bucket_elements: int = REDUCE_BUCKET_ELEMENTS  # zero_optimization.reduce_bucket_size
     # ZeRO's closing all-gather of the weights stages the whole model (torch's all_gather_into_tensor on
-    # gloo: runs before engine.gather_parameters_in_place), or nothing (nshard's in-place ring; native NCCL).
+    # gloo: runs before patches.install_parameter_gather), or nothing (nshard's in-place ring; native NCCL).
     gather_staged_whole: bool = False
     activation_checkpointing: bool = False  # the ds_config's "activation_checkpointing" section
     delta_bits: int = 0  # nshard.parameter_sync = "delta": its delta_bits; 0: dense parameter sync

@@ -50,6 +50,79 @@ def cases_for_one_loss(margin_points: float, confidence: float) -> int:
     return math.floor(100 * (1 + two_sided_z(confidence)) / -margin_points) + 1
 
 
+def equal_pass_probability(n: int, discordance: float, margin_points: float, confidence: float) -> float:
+    """The probability that a candidate equal to its control passes the paired screen (lower bound > margin) on
+    n cases, when each case is discordant with probability `discordance` and a discordant case is a win or a loss
+    with probability 1/2 each: the screen's power against the declared margin, before any case is drawn.
+
+    With D discordant cases, W of them wins and L = D − W losses, the per-case differences are +1 (W times), −1
+    (L times) and 0, so mean = (W − L)/n, s² = (D − n·mean²)/(n − 1) and the lower bound is mean − z·s/√n
+    (mean_interval's). D ~ Binomial(n, discordance), W | D ~ Binomial(D, 1/2); the sum runs over every (D, W) whose
+    probability is not negligible (< 1e-15 of the total is left out)."""
+    import numpy as np
+    from scipy.stats import binom
+
+    if n < 2:
+        raise ValueError(f"n={n}: a paired bound needs at least 2 cases")
+    if not 0.0 <= discordance <= 1.0:
+        raise ValueError(f"discordance={discordance} must lie in [0, 1]")
+    z = two_sided_z(confidence)
+    d = np.arange(n + 1)
+    p_d = binom.pmf(d, n, discordance)
+    keep = p_d > 1e-18
+    total = 0.0
+    for discordant, weight in zip(d[keep], p_d[keep]):
+        wins = np.arange(discordant + 1)
+        p_w = binom.pmf(wins, discordant, 0.5)
+        mean = (2 * wins - discordant) / n
+        var = np.maximum(discordant - n * mean ** 2, 0.0) / (n - 1)
+        lower = mean - z * np.sqrt(var) / math.sqrt(n)
+        total += weight * float(p_w[100 * lower > margin_points].sum())
+    return min(total, 1.0)
+
+
+def cases_for_power(discordance: float, margin_points: float, confidence: float, target: float = 0.90,
+                    at_least: int = 2) -> int:
+    """The fewest cases, from `at_least` up (a screen's declared n), at which a candidate equal to its control passes
+    with at least `target` probability: doubling, then bisection. The probability rises with n once discordant cases
+    are expected at all (at a handful of cases, none discordant, a zero-width interval passes), up to the small
+    steps of a discrete count."""
+    def reaches(n: int) -> bool:
+        return equal_pass_probability(n, discordance, margin_points, confidence) >= target
+
+    low = max(at_least, 2)
+    if discordance <= 0 or reaches(low):
+        return low
+    high = 2 * low
+    while not reaches(high):
+        low, high = high, high * 2
+        if high > 1_000_000:
+            raise ValueError(f"no case count up to 1,000,000 reaches {target:.0%} at discordance {discordance}")
+    while high - low > 1:
+        mid = (low + high) // 2
+        if reaches(mid):
+            high = mid
+        else:
+            low = mid
+    return high
+
+
+def declared_power(n: int, discordance: float | None, margin_points: float, confidence: float) -> dict:
+    """What a paired screen's declaration says before scoring: the probability that an equal candidate passes at
+    n cases, and, where it is under 80%, the number of cases that would reach 90%."""
+    if not discordance:
+        return {"n": n, "expected_discordance": None, "equal_pass_probability": None,
+                "note": "no expected discordance declared (screens.expected_discordance): the screen's power is unknown"}
+    p = float(equal_pass_probability(n, discordance, margin_points, confidence))
+    out = {"n": n, "expected_discordance": discordance, "equal_pass_probability": p, "note": None}
+    if p < 0.80:
+        needed = cases_for_power(discordance, margin_points, confidence, 0.90, at_least=n)
+        out["cases_for_90"] = needed
+        out["note"] = (f"underpowered: a candidate equal to its control passes only {p:.0%} of the time at n={n}; "
+                       f"about {needed} cases would reach 90%")
+    return out
+
+
 def paired_bounds(candidate: dict[str, bool], control: dict[str, bool], confidence: float = 0.99) -> dict:
     """Candidate minus control over the same cases, in accuracy points (100 × the mean difference)."""
     if set(candidate) != set(control):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from nshard.analysis.growth import growth_table, read_serving
 from nshard.cli import SPELLING_NOTE, ArgumentParser, prog
-from nshard.analysis.paired import PairingError, cases_for_one_loss, mean_interval, paired_bounds
+from nshard.analysis.paired import PairingError, cases_for_one_loss, declared_power, mean_interval, paired_bounds
 from nshard.analysis.validated import NotValidated, check_validated
 from nshard.evidence.commit import CommitError, check_committed_as, files_sha256, load_commitment, model_files
 
@@ -403,6 +403,49 @@ def growth_screen(candidate: dict, comparisons: list[dict], cohort_quality: dict
 # ---------------------------------------------------------------- assembling
 
 
+def power_entry(screen: str, n: int, screens: dict) -> dict:
+    """One paired screen's declared power at n cases (analysis/paired.py, declared_power)."""
+    return {"screen": screen, **declared_power(n, screens.get("expected_discordance") or 0.0,
+                                               screens["min_paired_lower_points"], screens["confidence"])}
+
+
+def declared_powers(sets: dict, screens: dict, controls: list[str]) -> list[dict]:
+    """Before scoring: the power of each paired screen at the number of cases the candidate's prepared sets name,
+    from the plan's screens.expected_discordance: the probability that a candidate equal to its control passes.
+    The report carries the same figures, computed at the n each comparison paired (power_of_comparisons)."""
+    n_all = len(sets.get("eval_case_ids", [])) + len((sets.get("chat") or {}).get("exact_match_ids", []))
+    out = []
+    cohort = sets.get("cohort")
+    if cohort and len(cohort.get("first_cohort_eval_case_ids", [])) >= 2:
+        out.append(power_entry(FIRST_COHORT_SCREEN, len(cohort["first_cohort_eval_case_ids"]), screens))
+    if n_all >= 2:
+        out += [power_entry(f"paired lower bound vs {control}", n_all, screens) for control in controls]
+    return out
+
+
+def power_of_comparisons(comparisons: list[dict], first_cohort: dict | None, screens: dict) -> list[dict]:
+    out = []
+    if first_cohort and first_cohort.get("n"):
+        out.append(power_entry(FIRST_COHORT_SCREEN, first_cohort["n"], screens))
+    return out + [power_entry(f"paired lower bound vs {c['control']}", c["n"], screens) for c in comparisons]
+
+
+FIRST_COHORT_SCREEN = "first-cohort paired lower bound vs the accepted checkpoint"
+
+
+def power_lines(powers: list[dict]) -> list[str]:
+    """One line per paired screen: its declared power, or why it has none."""
+    lines = []
+    for p in powers:
+        if p["equal_pass_probability"] is None:
+            lines.append(f"- {p['screen']} (n = {p['n']:,}): {p['note']}.")
+            continue
+        line = (f"- {p['screen']} (n = {p['n']:,}, expected discordance {100 * p['expected_discordance']:.2f}%): a "
+                f"candidate equal to its control passes with probability {100 * p['equal_pass_probability']:.1f}%")
+        lines.append(line + (f"; {p['note']}." if p.get("note") else "."))
+    return lines
+
+
 def first_cohort_families(study: dict) -> list[str]:
     """The first cohort's families, as the candidate's prepared sets name them."""
     arm = next(a for a in study["arms"] if a["name"] == study["candidate"])
@@ -497,6 +540,8 @@ def analyze(study_dir: Path) -> dict:
             quality = growth_screen(candidate, comparisons, quality, screens, study["growth"])
     else:
         quality = quality_screen(candidate, seed, comparisons, failed_controls, screens, heldout_pairs)
+    powers = ([] if study.get("growth")  # growth asks for an advantage, not parity: no equal candidate passes
+              else power_of_comparisons(comparisons, quality.get("first_cohort_paired") if cohort else None, screens))
     speed = speed_screen(arms, study["candidate"], study["speed_baseline"], screens, study.get("placement"))
     if study.get("growth"):  # the arms share a FLOPs budget, not a schedule: their times are reported, not screened
         speed = {**speed, "passed": None, "comparable": False,
@@ -512,6 +557,7 @@ def analyze(study_dir: Path) -> dict:
         "speed_baseline": study["speed_baseline"], "screens_declared": screens,
         "validation": validation_summary(study_dir), "placement": study.get("placement"), "warm_up": study.get("warm_up"),
         "seed": seed, "arms": arms, "comparisons": comparisons, "heldout_comparisons": heldout_pairs,
+        "declared_power": powers,
         "provenance": provenance,
         **({"growth": study["growth"], "serving": read_serving(study_dir)} if study.get("growth") else {}),
         "screens": {"quality": {**quality, "evidence": evidence}, "speed": {**speed, "evidence": evidence}},
@@ -604,6 +650,9 @@ def _mfu_cell(e: dict) -> str:
     if not t:
         return "—"
     peak = t["peak"]
+    if t["mfu"] is None and peak.get("tflops_per_device"):
+        return (f"— (achieved {t['achieved_tflops']:.4g} TFLOP/s exceeds the peak {t['peak_tflops']:.4g}: the "
+                f"{peak['source'].split(' (')[0]} read low; the next run measures it again)")
     if t["mfu"] is None:
         return f"— (no peak: {peak['source']})"
     source = peak["source"].split(" (")[0]
@@ -655,6 +704,9 @@ def render_report(results: dict) -> str:
                              f"width; a single lost case would still clear the margin only with "
                              f"n ≥ {c['one_loss_passes_from_n']} cases (n = {c['n']}).")
         lines.append("")
+    if results.get("declared_power"):
+        lines += ["Declared power of the paired screens (before scoring, from the plan's expected discordance):", "",
+                  *power_lines(results["declared_power"]), ""]
     if results.get("growth"):
         lines += ["## Growth", "", growth_table(results), ""]
     verdict = "NOT COMPARABLE" if s["passed"] is None else "PASSED" if s["passed"] else "FAILED"

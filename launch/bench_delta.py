@@ -1,7 +1,7 @@
 """Delta sync's encode + apply + gap of one partition, old chunking against new, in one run on one device.
 
-    python -m launch.bench_delta --device cuda [--numel 850000000] --json   # the GPU check's call
-    python -m launch.bench_delta --device cpu                                # a smaller partition, said so
+    .venv/bin/python -m launch.bench_delta --device cuda [--numel 850000000] --json   # the GPU check's call
+    .venv/bin/python -m launch.bench_delta --device cpu                                # a smaller partition, said so
 
 old: the codec a CPU-cache-sized chunk at a time (CHUNK_BLOCKS blocks) on every device, and the gap read back to
 the host after every chunk (two reads each), as nshard/comm/delta.py did before. new: chunks sized by the device
@@ -36,14 +36,21 @@ CPU_NUMEL = 1 << 24
 CODEC = DeltaCodec(bits=4, block=256)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    from nshard.cli import SPELLING_NOTE, ArgumentParser
+
+    parser = ArgumentParser(description=__doc__, epilog=SPELLING_NOTE)
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
     parser.add_argument("--numel", type=int, help=f"partition elements (default {PARTITION_NUMEL:,} on a GPU, "
                                                   f"{CPU_NUMEL:,} on the CPU)")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes of each arm (after one untimed)")
     parser.add_argument("--json", action="store_true", help="print only the JSON summary")
     parser.add_argument("--out", type=Path, help="also write the JSON summary here")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.device != "cpu" and not args.device.startswith("cuda"):
         parser.error(f"--device {args.device}: give cpu, cuda or cuda:N")

@@ -38,8 +38,10 @@ GROUPS = {"p_and_q_products": ("p_products", "q_products", "decompress"), "ortho
 """The issue's phases, each the sum of the timed ones it names."""
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    from nshard.cli import SPELLING_NOTE, ArgumentParser
+
+    parser = ArgumentParser(description=__doc__, epilog=SPELLING_NOTE)
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
     parser.add_argument("--layers", type=int, default=MODEL_LAYERS, help=f"decoder layers (the model has {MODEL_LAYERS})")
     parser.add_argument("--delta-numel", type=int, default=PARTITION_NUMEL, help="elements of the delta partition")
@@ -52,6 +54,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="a one-rank dense bf16 run's receipts/rank-0.json: its median update is the step")
     parser.add_argument("--out", type=Path, help="also write the JSON summary here")
     parser.add_argument("--check-only", action="store_true", help="check the arguments and the layout; time nothing")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.shrink:
         args.layers, args.delta_numel = SHRUNK_LAYERS, SHRUNK_DELTA_NUMEL

@@ -535,12 +535,18 @@ def listed_cuda_tests() -> list[str]:
 # ---------------------------------------------------------------- main
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    from nshard.cli import SPELLING_NOTE, ArgumentParser
+
+    parser = ArgumentParser(description=__doc__, epilog=SPELLING_NOTE)
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "gpu-check", help="directory for runs and logs")
-    parser.add_argument("--dry-run", action="store_true", help="list and check every step; run nothing on a GPU")
+    parser.add_argument("--dry_run", action="store_true", help="list and check every step; run nothing on a GPU")
     parser.add_argument("--budget_s", type=int, default=BUDGET_S, help=f"seconds for all steps (default {BUDGET_S})")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     out = args.out.resolve()
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)

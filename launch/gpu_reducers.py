@@ -49,13 +49,20 @@ DELTA_NUMEL = (1 << 24) + 1000  # not a whole number of blocks: the tail block i
 DELTA_BITS = (8, 4, 2)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    from nshard.cli import SPELLING_NOTE, ArgumentParser
+
+    parser = ArgumentParser(description=__doc__, epilog=SPELLING_NOTE)
     parser.add_argument("--device", choices=("cpu", "cuda"), required=True, help="where the reducers' tensors live")
     parser.add_argument("--updates", type=int, default=3, help="updates (1 dense warm-up, then compressed; >= 2)")
     parser.add_argument("--out", type=Path, help="also write the JSON summary here")
     parser.add_argument("--timeout_s", type=float, default=400, help="give up on the two processes after this long")
     parser.add_argument("--check-only", action="store_true", help="check the arguments and the layout; start nothing")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.updates < 2:
         parser.error(f"--updates {args.updates}: give 2 or more (one dense warm-up, then compressed updates)")

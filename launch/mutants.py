@@ -18,7 +18,7 @@ Per mutant:
 Before any mutant, the same commands run on the unmutated copy and must pass, so a failure is the mutant's.
 tests/test_mutants.py is left out of these runs (it fails on any planted mutant by design). A
 mutant is "caught" only by failing tests (pytest exit 1, or pytest-xdist's exit 2 after -x stopped it on a failure); any other exit (collection error, interruption) stops the
-script with exit 2. Exit 0: every mutant caught in every tier asked for; 1: some mutant survived.
+script with exit 1, naming the log. Exit 0: every mutant caught in every tier asked for; 1: some mutant survived.
 """
 
 from __future__ import annotations

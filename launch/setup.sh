@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up nshard in ./.venv on a fresh machine: torch first (the CPU wheel; on a GPU host
+# Set up nshard in ./.venv on a fresh machine: torch first (torch==2.13.0 from pip's index: the CPU wheel on the build machines; on a GPU host
 # NSHARD_TORCH_INDEX=https://download.pytorch.org/whl/cu128 takes torch 2.13.0 from that index, and a torch
 # already in .venv is kept unless that index is given and it has no CUDA), then the package,
 # the embedded model's GGUF, Open MPI for the mpi4py transport, and openssh-server + pdsh for the

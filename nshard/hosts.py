@@ -1,14 +1,24 @@
 """A preflight for real hosts, over the same plain `ssh HOST` that DeepSpeed's launcher uses:
 
-    python -m nshard.hosts check --hostfile HOSTFILE --out DIR [--device auto|cuda|cpu]
+    .venv/bin/python -m nshard.hosts check --hostfile HOSTFILE --out DIR [--plan PLAN] [--device auto|cuda|cpu]
 
-Run it from the checkout, with the venv's python, on the machine that will launch. DeepSpeed's launcher
-runs `cd <this directory>; <this python> -m deepspeed.launcher.launch ...` on every host, so every host must hold
-the same checkout at the same path, on the same nshard commit, and the same venv with the same torch, deepspeed
-and transformers. Each host must see as many GPUs as its slots, `--out` must be one shared directory (a file
-written here is read there, and one written there is read here), and the interfaces that GLOO_SOCKET_IFNAME and
-NCCL_SOCKET_IFNAME name (as the ranks will see them: .deepspeed_env over the launcher's NCCL_* over the host's
-own) must exist. Each failure is one line naming the host and the fix; exit 1 if there is any, 2 on bad input.
+Run it from the directory you will launch from, with the venv's python, on the machine that will launch.
+DeepSpeed's launcher runs `cd <this directory>; <this python> -m deepspeed.launcher.launch ...` on every host, so
+every host must hold this directory and the same checkout at the same path, on the same nshard commit, and the same
+venv with the same torch, deepspeed and transformers. Each host must see at least as many GPUs as its slots (its
+ranks use GPUs 0 to slots-1 unless the launch names others with --include), `--out` must be one shared directory (a
+file written here is read there, and one written there is read here), and the interfaces that GLOO_SOCKET_IFNAME
+and NCCL_SOCKET_IFNAME name (as the ranks will see them: .deepspeed_env over the launcher's NCCL_* over the host's
+own) must exist.
+
+The cache variables (NSHARD_CACHE, HF_HOME) must read the same in this shell, where the study process and its
+one-rank arm run, as in .deepspeed_env, which only the launched ranks read; NSHARD_CACHE must be one directory that
+every host shares, since the study fills it once before its first arm. With --plan, the plan is checked as a run
+would check it, and every file it names (the plan itself, data.chat_train, data.chat_heldout, data.replay_file, a
+local model.spec) must be on every host, at the same path, with the same bytes: every rank reads them itself. A hub
+model.spec must be in each host's Hugging Face cache, or HF_HOME must be shared.
+
+Each failure is one line naming the host and the fix; exit 1 if there is any, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -26,16 +36,44 @@ from nshard.cli import SPELLING_NOTE, ArgumentParser, prog
 
 PACKAGES = ("torch", "deepspeed", "transformers")
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+CACHE_VARIABLES = ("NSHARD_CACHE", "HF_HOME")
 NO_CHECKOUT, NO_PYTHON = 90, 91  # the remote shell's exit codes before the probe runs
 
 
-def probe(checkout: str, out: str, token: str, label: str) -> dict:
+def probe(checkout: str, out: str, token: str, label: str, wanted: str = "{}") -> dict:
     """What one host has. Runs on that host with the venv's python, from this very file sent over ssh: standard
-    library and torch only, so a host whose checkout differs still answers."""
+    library and torch only, so a host whose checkout differs still answers. `wanted` (JSON) names what the launch
+    will need there: files by plan key, the cache variables as the ranks will see them, a launch directory and a
+    hub model."""
     import importlib.metadata
     import socket
 
     import hashlib
+
+    wanted = json.loads(wanted)
+    for variable, value in (wanted.get("env") or {}).items():  # .deepspeed_env's values, as the ranks get them
+        os.environ[variable] = value
+
+    def fingerprint(path: str) -> str | None:
+        """A file's sha256; a directory's, over its files' relative names and sizes (a model directory of many
+        GB is not read whole); None when missing."""
+        target = Path(path)
+        if target.is_file():
+            digest = hashlib.sha256()
+            with open(target, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            return digest.hexdigest()
+        if target.is_dir():
+            listing = sorted(f"{p.relative_to(target)} {p.stat().st_size}" for p in target.rglob("*") if p.is_file())
+            return "dir:" + hashlib.sha256("\n".join(listing).encode()).hexdigest()
+        return None
+
+    def read_token(folder: str | None) -> bool:
+        try:
+            return bool(folder) and (Path(folder) / f".nshard-preflight-{token}").read_text() == token
+        except OSError:
+            return False
 
     def git(*args: str) -> bytes:
         done = subprocess.run(["git", "-C", checkout, *args], capture_output=True)
@@ -61,6 +99,19 @@ def probe(checkout: str, out: str, token: str, label: str) -> dict:
         facts["gpus"] = torch.cuda.device_count()
     except ImportError:
         facts["gpus"] = None
+    facts["files"] = {key: fingerprint(path) for key, path in (wanted.get("files") or {}).items()}
+    facts["cwd_exists"] = Path(wanted.get("cwd") or checkout).is_dir()
+    cache = os.environ.get("NSHARD_CACHE") or str(Path.home() / ".cache" / "nshard")
+    facts["cache"] = {"NSHARD_CACHE": cache, "shared": read_token(cache)}
+    if wanted.get("hub_model"):
+        hf_home = os.environ.get("HF_HOME") or str(Path.home() / ".cache" / "huggingface")
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = isinstance(try_to_load_from_cache(wanted["hub_model"], "config.json"), str)
+        except Exception:  # noqa: BLE001 -- an old or missing huggingface_hub: not cached, as far as we can tell
+            cached = False
+        facts["hub"] = {"HF_HOME": hf_home, "cached": cached, "shared": read_token(hf_home)}
     shared = Path(out) / f".nshard-preflight-{token}"
     try:
         facts["read"] = shared.read_text()
@@ -144,9 +195,35 @@ def compare(host: str, slots: int, facts: dict, here: dict, device: str, out: st
             problems.append(f"{host}: {package} {theirs or 'missing'} in {here['python']}, the launching machine has "
                             f"{ours}: install {package}=={ours} into that venv (CUDA torch: NSHARD_TORCH_INDEX with "
                             "launch/setup.sh)")
-    if device == "cuda" and facts.get("gpus") != slots:
+    if device == "cuda" and (facts.get("gpus") or 0) < slots:
         problems.append(f"{host}: sees {facts.get('gpus')} GPU(s) for slots={slots}: set slots={facts.get('gpus')} in "
                         "the hostfile, or make that many GPUs visible there")
+    if not facts.get("cwd_exists", True):
+        problems.append(f"{host}: has no directory {here['cwd']}, where DeepSpeed's launcher runs `cd {here['cwd']}` "
+                        f"before starting its ranks: launch from the checkout ({here['checkout']}), or make that path "
+                        "there")
+    for key, theirs in (facts.get("files") or {}).items():
+        path, ours = here["wanted"]["files"][key], here["files"].get(key)
+        if theirs is None:
+            problems.append(f"{host}: {key} {path} is missing there: every rank reads it itself, so copy it to the "
+                            "same path on every host, or keep it on the shared filesystem")
+        elif ours is not None and theirs != ours:
+            problems.append(f"{host}: {key} {path} differs from the launching machine's (sha256 {theirs[:12]} there, "
+                            f"{ours[:12]} here): copy the same file there")
+    cache = facts.get("cache") or {}
+    if cache and not cache.get("shared"):
+        problems.append(f"{host}: NSHARD_CACHE ({cache.get('NSHARD_CACHE')} as its ranks see it) is not the launching "
+                        f"machine's cache {here['cache']['NSHARD_CACHE']} (it reads no file written there): the study "
+                        "fills that cache once before its first arm, so mount one shared directory at the same path on "
+                        "every host and set NSHARD_CACHE to it, in .deepspeed_env and in this shell")
+    hub = facts.get("hub")
+    if hub and not hub["cached"] and not hub["shared"]:
+        model = here["wanted"]["hub_model"]
+        problems.append(f"{host}: {model} is not in its Hugging Face cache (HF_HOME={hub['HF_HOME']}), which the "
+                        "launching machine does not share: its ranks would download it inside the first timed arm. "
+                        "Share HF_HOME (in .deepspeed_env and in this shell), or download it there first: "
+                        f".venv/bin/python -c \"from huggingface_hub import snapshot_download; "
+                        f"snapshot_download('{model}')\"")
     if facts.get("read") != token:
         why = facts.get("read_error") or "other contents"
         problems.append(f"{host}: reads no file of the launching machine's in --out {out} ({why}): mount one shared "
@@ -156,27 +233,79 @@ def compare(host: str, slots: int, facts: dict, here: dict, device: str, out: st
     return problems
 
 
-def check(hostfile: str, out: str, device: str) -> list[str]:
+def plan_inputs(plan_path: str) -> dict:
+    """What a plan makes every rank read: the plan file and the data files it names, resolved as a run resolves
+    them from this directory (nshard.run.plan.find_beside), and its model: a local directory, or a hub id that each
+    host must find in its cache. The plan is checked first (a PlanError is bad input)."""
+    from nshard.run.models import HUB_ID, RANDOM_PREFIX
+    from nshard.run.plan import load_plan
+
+    plan = load_plan(plan_path)
+    files = {"plan": str(Path(plan_path).resolve())}
+    for key in ("chat_train", "chat_heldout", "replay_file"):
+        value = getattr(plan.data, key)
+        if value:
+            if not Path(value).exists():
+                raise FileNotFoundError(f"data.{key}={value} does not exist here (a relative path is found from this "
+                                        "directory, then beside the plan and in the folders above it): give an "
+                                        "absolute path on the shared filesystem")
+            files[f"data.{key}"] = str(Path(value).resolve())
+    spec, hub = plan.model.spec, None
+    builtin = spec in ("embedded", "tiny") or spec.startswith(("tiny:", RANDOM_PREFIX))
+    if not builtin:
+        local = Path(spec).expanduser()
+        if local.exists():
+            files["model.spec"] = str(local.resolve())
+        elif not spec.startswith(("/", ".", "~")) and HUB_ID.match(spec):
+            hub = spec
+        else:
+            raise FileNotFoundError(f"model.spec={spec} does not exist here: give a local transformers directory "
+                                    "(an absolute path every host has) or a hub id (org/name)")
+    return {"files": files, "hub_model": hub}
+
+
+def cache_problems(exported: dict[str, str]) -> list[str]:
+    """The launching machine's own: a cache variable that .deepspeed_env gives the ranks but this shell does not
+    have, so the study process and its one-rank arm (which read this shell) would fill another cache."""
+    problems = []
+    for variable in CACHE_VARIABLES:
+        if variable in exported and os.environ.get(variable) != exported[variable]:
+            problems.append(f"this machine: .deepspeed_env sets {variable}={exported[variable]} for the ranks, but "
+                            f"this shell has {variable}={os.environ.get(variable) or '(unset)'}; the study process and "
+                            "its one-rank arm read this shell, so the first timed arm would fill the ranks' cache: "
+                            f"export {variable}={exported[variable]} here too")
+    return problems
+
+
+def check(hostfile: str, out: str, device: str, plan: str | None = None) -> list[str]:
+    from nshard.files import cache_root
     from nshard.run.hostfile import parse_hostfile
     from nshard.run.plan import REPO_ROOT
 
     hosts = parse_hostfile(hostfile)
     exported = deepspeed_env()
+    wanted = plan_inputs(plan) if plan else {"files": {}, "hub_model": None}
+    wanted.update(cwd=os.getcwd(), env={v: exported[v] for v in CACHE_VARIABLES if v in exported})
     Path(out).mkdir(parents=True, exist_ok=True)
     out = str(Path(out).resolve())
     token = uuid.uuid4().hex
-    mine = Path(out) / f".nshard-preflight-{token}"
-    mine.write_text(token)
+    tokens = [Path(out) / f".nshard-preflight-{token}", cache_root() / f".nshard-preflight-{token}"]
+    if wanted["hub_model"]:
+        tokens.append(Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface")
+                      / f".nshard-preflight-{token}")
     checkout, python = str(REPO_ROOT), sys.executable
     try:
-        here = probe(checkout, out, token, "here")
-        here.update(checkout=checkout)
+        for mine in tokens:
+            mine.parent.mkdir(parents=True, exist_ok=True)
+            mine.write_text(token)
+        here = probe(checkout, out, token, "here", json.dumps({**wanted, "env": {}}))
+        here.update(checkout=checkout, cwd=wanted["cwd"], wanted=wanted)
         if device == "auto":
             device = "cuda" if here.get("gpus") else "cpu"
-        problems = []
+        problems = cache_problems(exported)
         for i, (host, slots) in enumerate(hosts.items()):
             label = f"host{i}"
-            rc, stdout, stderr = ask(host, checkout, python, ["probe", checkout, out, token, label])
+            rc, stdout, stderr = ask(host, checkout, python, ["probe", checkout, out, token, label, json.dumps(wanted)])
             if rc == 255:
                 last = (stderr.strip().splitlines() or ["no answer"])[-1]
                 problems.append(f"{host}: ssh {host} failed ({last}): set up passwordless ssh from this machine "
@@ -201,11 +330,25 @@ def check(hostfile: str, out: str, device: str) -> list[str]:
                 found.append(f"{host}: its file in --out {out} is not seen here: mount one shared filesystem at {out}")
             problems += found
             say(f"{host}: {'ok' if not found else f'{len(found)} problem(s)'} (commit {facts['commit'][:12]}, "
-                f"torch {facts['versions'].get('torch')}, {facts.get('gpus')} GPU(s), slots={slots})")
+                f"torch {facts['versions'].get('torch')}, {facts.get('gpus')} GPU(s), slots={slots}"
+                f"{devices_used(host, slots, facts.get('gpus')) if device == 'cuda' else ''})")
         return problems
     finally:
-        for path in Path(out).glob(f".nshard-preflight-{token}*"):
-            path.unlink(missing_ok=True)
+        for folder in {mine.parent for mine in tokens}:
+            for path in folder.glob(f".nshard-preflight-{token}*"):
+                path.unlink(missing_ok=True)
+
+
+def devices_used(host: str, slots: int, gpus: int | None) -> str:
+    """Which GPUs the host's ranks will use: DeepSpeed's launcher sets CUDA_VISIBLE_DEVICES to the first `slots`
+    of them unless the launch names others with --include."""
+    if not gpus or gpus < slots:
+        return ""
+    used = ",".join(str(i) for i in range(slots))
+    if gpus == slots:
+        return f"; ranks on GPU {used}"
+    return (f"; ranks on GPU {used} of its {gpus} (DeepSpeed's launcher takes the first {slots}; to use others, "
+            f"launch with --include {host}:{','.join(str(i) for i in range(gpus - slots, gpus))})")
 
 
 def say(message: str) -> None:
@@ -215,14 +358,15 @@ def say(message: str) -> None:
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["probe"]:  # on a host, sent by `check`
-        print(json.dumps(probe(*args[1:5])))
+        print(json.dumps(probe(*args[1:6])))
         return 0
     from nshard.run.hostfile import HostfileError
+    from nshard.run.plan import PlanError
 
     parsed = build_parser().parse_args(args)
     try:
-        problems = check(parsed.hostfile, parsed.out, parsed.device)
-    except (HostfileError, OSError) as exc:
+        problems = check(parsed.hostfile, parsed.out, parsed.device, parsed.plan)
+    except (HostfileError, PlanError, OSError) as exc:
         print(f"nshard: error: {exc}", file=sys.stderr)
         return 2
     for line in problems:
@@ -239,8 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
     cmd = sub.add_parser("check", help="check every host of a hostfile before a launch")
     cmd.add_argument("--hostfile", required=True, help="the DeepSpeed hostfile the launch will use")
     cmd.add_argument("--out", required=True, help="the run or study directory the launch will write (shared)")
+    cmd.add_argument("--plan", default=None,
+                     help="the plan the launch will run: checked, and every file it names must be on every host")
     cmd.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                     help="cuda: each host must see as many GPUs as its slots (auto: cuda if this machine has one)")
+                     help="cuda: each host must see at least as many GPUs as its slots (auto: cuda if this machine "
+                          "has one)")
     return parser
 
 

@@ -71,10 +71,12 @@ def main(argv=None) -> int:
     from nshard.run.training import Run, RunError, check_memory, preflight, run_training
 
     try:  # bad input fails here, before any process group, run directory or model exists
-        if args.resume and args.overwrite:
-            raise ValueError("--resume continues a run directory and --overwrite replaces it: give one of them")
         plan_path = plan_with_overrides(args.plan, args.set)  # the plan file itself, or one with the overrides
         plan = load_plan(plan_path)
+        if args.resume and args.overwrite:
+            raise ValueError(f"--resume continues {args.out or plan.run_dir()} from its newest state and "
+                             "--overwrite would erase it: give the same command without --overwrite (launch/demo.sh "
+                             "takes --resume in its place: bash launch/demo.sh ds_configs/powersgd.json --resume)")
         ds_config = load_ds_config(args.ds_config)
         reducer = reducer_config(ds_config)  # the "nshard" section, parsed once and passed on
         world_size = int(os.environ.get("WORLD_SIZE", "1"))

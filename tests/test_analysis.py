@@ -575,3 +575,65 @@ def test_a_sparse_arm_gets_an_expert_load_plot(tmp_path):
     results = write_outputs(root)
     assert "plots/expert_load.png" in json.loads((root / "results.json").read_text())["plots"]
     assert (root / "plots" / "expert_load.png").stat().st_size > 1000 and results["arms"][2]["metrics"]
+
+
+# ---------------------------------------------------------------- declared power
+
+
+def test_the_power_of_an_equal_candidate_is_every_outcome_summed_by_hand():
+    """Enumerate every outcome of n cases (each +1, −1 or 0: a win, a loss or agreement) with its probability and
+    pass it through mean_interval: the closed sum of equal_pass_probability gives the same probability."""
+    import itertools
+
+    from nshard.analysis.paired import equal_pass_probability, two_sided_z
+
+    for n, p, margin in ((5, 0.3, -40.0), (6, 0.5, -25.0), (7, 0.2, -10.0)):
+        z, total = two_sided_z(0.9), 0.0
+        for outcome in itertools.product((1, -1, 0), repeat=n):
+            prob = math.prod(p / 2 if d else 1 - p for d in outcome)
+            mean = sum(outcome) / n
+            sd = math.sqrt(sum((d - mean) ** 2 for d in outcome) / (n - 1))
+            total += prob * (100 * (mean - z * sd / math.sqrt(n)) > margin)
+        assert equal_pass_probability(n, p, margin, 0.9) == pytest.approx(total, abs=1e-12), (n, p, margin)
+
+
+def test_the_power_agrees_with_simulated_screens_and_names_the_cases_that_reach_90_percent():
+    import numpy as np
+
+    from nshard.analysis.paired import cases_for_power, declared_power, equal_pass_probability
+
+    rng = np.random.default_rng(0)
+    n, p, draws = 128, 5 / 128, 4000
+    passes = 0
+    for _ in range(draws):
+        u = rng.random(n)
+        cand = {f"c{i}": bool(u[i] < p / 2) for i in range(n)}  # a win
+        ctrl = {f"c{i}": bool(p / 2 <= u[i] < p) for i in range(n)}  # a loss
+        passes += paired_bounds(cand, ctrl, 0.99)["lower_points"] > -3.0
+    exact = equal_pass_probability(n, p, -3.0, 0.99)
+    assert abs(passes / draws - exact) < 4 * math.sqrt(exact * (1 - exact) / draws)
+    needed = cases_for_power(p, -3.0, 0.99, 0.90, at_least=n)
+    assert equal_pass_probability(needed, p, -3.0, 0.99) >= 0.90 > equal_pass_probability(needed - 1, p, -3.0, 0.99)
+    low = declared_power(n, p, -3.0, 0.99)
+    assert low["equal_pass_probability"] < 0.80 and low["cases_for_90"] == needed
+    assert low["note"].startswith(f"underpowered: a candidate equal to its control passes only") and str(needed) in low["note"]
+    assert declared_power(n, 0.0, -3.0, 0.99)["equal_pass_probability"] is None
+
+
+def test_the_report_carries_the_declared_power_beside_each_paired_screen(tmp_path):
+    study = make_study(tmp_path, candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
+    record = json.loads((study / "study.json").read_text())
+    record["screens"] = {**SCREENS, "expected_discordance": 0.05}
+    (study / "study.json").write_text(json.dumps(record))
+    results = analyze(study)
+    powers = {p["screen"]: p for p in results["declared_power"]}
+    assert set(powers) == {"paired lower bound vs one-rank", "paired lower bound vs dense"}
+    assert all(p["n"] == 100 and 0 < p["equal_pass_probability"] < 0.8 for p in powers.values())
+    from nshard.analysis.report import render_report
+
+    report = render_report(results)
+    assert "Declared power of the paired screens" in report and "expected discordance 5.00%" in report
+    assert "underpowered" in report
+    undeclared = analyze(make_study(tmp_path / "b", candidate_correct=60, retention_shift=0.0,
+                                    candidate_process_s=80.0))
+    assert all(p["equal_pass_probability"] is None for p in undeclared["declared_power"])

@@ -255,3 +255,26 @@ def test_the_cli_module_loads_the_standard_library_only():
             "print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_resume_with_overwrite_is_refused_in_one_line_that_says_what_to_type_instead(tmp_path):
+    """`--resume` added to a command that had `--overwrite` (as launch/demo.sh's did): one line naming the
+    directory and what to type instead, exit 2, and nothing written."""
+    from runs import run_env
+
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(REPO / "nshard/train.py"), "--ds_config", str(DENSE), "--plan", str(TINY),
+                           "--out", str(out), "--overwrite", "--resume"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env=run_env())
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("nshard:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+    assert str(out) in errors[0] and "the same command without --overwrite" in errors[0]
+    assert "bash launch/demo.sh ds_configs/powersgd.json --resume" in errors[0]
+    assert not out.exists()
+
+
+def test_demo_sh_takes_a_ds_config_and_resume_and_refuses_anything_else():
+    proc = subprocess.run(["bash", str(REPO / "launch/demo.sh"), "ds_configs/dense.json", "--overwrite"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "launch/demo.sh: unknown option --overwrite (it takes a ds_config and --resume)"

@@ -295,9 +295,9 @@ def test_without_root_an_emulated_placement_runs_locally_and_says_the_speed_scre
     assert placement["comparable"] is False and "need root" in placement["why"]
 
 
-def preflight(hostfile: Path, out: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+def preflight(hostfile: Path, out: Path, env: dict | None = None, args=()) -> subprocess.CompletedProcess:
     return subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "nshard.hosts", "check", "--hostfile",
-                           str(hostfile), "--out", str(out), "--device", "cpu"], cwd=REPO,
+                           str(hostfile), "--out", str(out), "--device", "cpu", *args], cwd=REPO,
                           env={**run_env(), **(env or {})}, capture_output=True, text=True, timeout=300)
 
 
@@ -349,6 +349,27 @@ def test_the_preflight_passes_on_the_pair_and_names_the_host_whose_checkout_diff
     assert "the launching machine's at" in lines[-2] or "the launching machine's at" in lines[-1]
     assert sum("GLOO_SOCKET_IFNAME=eth9 names no interface there (it has eth0, lo)" in l for l in lines) == 2
     assert not list(out.glob(".nshard-preflight-*"))
+
+    # With a plan: its data files must be on every host with the same bytes (every rank reads them itself). The
+    # files lie outside the checkout, so that only the data check can see a difference.
+    chat, plan = tmp_path / "chat_train.jsonl", tmp_path / "tiny-chat.toml"
+    chat.write_text((REPO / "launch/data/chat_train.jsonl").read_text())
+    plan.write_text((REPO / "launch/plans/tiny-chat.toml").read_text()
+                    .replace('"launch/data/chat_train.jsonl"', f'"{chat}"')
+                    .replace('"launch/data/', f'"{REPO}/launch/data/'))
+    ok = preflight(hosts, out, args=["--plan", str(plan)])
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    other = tmp_path / "other_chat_train.jsonl"
+    other.write_text(chat.read_text().splitlines(keepends=True)[0])
+    with bound_in_host(sshd, other, chat):
+        bad = preflight(hosts, out, args=["--plan", str(plan)])
+    lines = [line for line in bad.stderr.splitlines() if line.startswith("nshard: preflight: ")]
+    assert bad.returncode == 1 and len(lines) == 1, bad.stdout + bad.stderr
+    assert lines[0].startswith(f"nshard: preflight: 198.51.100.2: data.chat_train {chat} differs from the launching "
+                               "machine's (sha256 ")
+    assert not list(out.glob(".nshard-preflight-*"))
+    from nshard.files import cache_root
+    assert not list(cache_root().glob(".nshard-preflight-*")), "the preflight left its file in the cache"
 
 
 @pytest.mark.slow

@@ -227,6 +227,38 @@ def test_bf16_auto_is_fp32_where_torch_runs_no_avx512_kernels():
                           capture_output=True, text=True, check=True)
     (units, why), record = json.loads(proc.stdout.strip().splitlines()[-1])
     assert units is False and record["compute"] == "float32" and record["why"] == why
+
+
+@pytest.mark.parametrize("key, value, fragment", [
+    ("amsgrad", True, "optimizer.params.amsgrad=true: nshard steps AdamW with lr, betas, eps, weight_decay only"),
+    ("foreach", False, "optimizer.params.foreach=false: "),
+    ("max_grad_norm", 1.0, "clip with the top-level \"gradient_clipping\" key instead"),
+    ("adam_w_mode", False, "optimizer.params.adam_w_mode=false: nshard steps AdamW"),
+])
+def test_an_optimizer_param_nshard_would_not_apply_is_refused_naming_the_key(key, value, fragment):
+    """torch's AdamW is built from lr, betas, eps and weight_decay: any other optimizer param is refused naming the
+    key and the fix, when the ds_config is read and again where the optimizer is built, never dropped without a word.
+    "Adam" runs the same AdamW, and adam_w_mode is accepted as true only."""
+    import torch
+
+    from nshard.seam.ds_config import DsConfigError, validate_ds_config
+    from nshard.seam.engine import torch_adamw
+
+    config = json.loads((REPO / "ds_configs/dense.json").read_text())
+    validate_ds_config(config)  # the shipped params: lr, betas, eps, weight_decay, torch_adam
+    adam = json.loads(json.dumps(config))
+    adam["optimizer"]["type"] = "Adam"
+    adam["optimizer"]["params"]["adam_w_mode"] = True
+    validate_ds_config(adam)
+    assert type(torch_adamw([torch.nn.Parameter(torch.zeros(2))], adam)) is torch.optim.AdamW
+    config["optimizer"]["params"][key] = value
+    for check in (validate_ds_config, lambda c: torch_adamw([torch.nn.Parameter(torch.zeros(2))], c)):
+        with pytest.raises(DsConfigError) as refused:
+            check(config)
+        message = str(refused.value)
+        assert message.startswith(f"optimizer.params.{key}=") and fragment in message, message
+
+
 def test_the_gpu_recipe_runs_as_shipped_with_only_files_the_project_provides(monkeypatch):
     """launch/plans/study.toml: every file it names is in the checkout (replay: the seed model's own answers to
     the built-in prompts), each multi-rank arm's ranks equal its hostfile's slots, and every arm's ds_config passes
@@ -284,3 +316,112 @@ def test_the_preflight_says_when_gloo_would_talk_on_loopback():
         "CPU runs) would use loopback"]
     assert interface_problems("gpu-a", facts, {"GLOO_SOCKET_IFNAME": "eth0"}) == []
     assert interface_problems("gpu-a", {**facts, "env": {"NCCL_SOCKET_IFNAME": "eth"}}, {"GLOO_SOCKET_IFNAME": "eth0"}) == []
+
+
+def _host_facts(**changes) -> dict:
+    facts = {"commit": "c" * 40, "changes": "d", "versions": {"torch": "2.13.0", "deepspeed": "0.19.8",
+                                                                "transformers": "5.24"},
+             "python": "/x/.venv/bin/python", "gpus": 8, "read": "tok", "wrote": True, "cwd_exists": True,
+             "files": {"plan": "a" * 64, "data.chat_train": "b" * 64},
+             "cache": {"NSHARD_CACHE": "/shared/cache", "shared": True}}
+    facts.update(changes)
+    return facts
+
+
+def _here() -> dict:
+    here = _host_facts()
+    here.update(checkout="/x", cwd="/x", wanted={"files": {"plan": "/shared/plan.toml",
+                                                           "data.chat_train": "/shared/chat.jsonl"},
+                                                 "hub_model": "org/model"})
+    return here
+
+
+def test_the_preflight_takes_more_gpus_than_slots_and_says_which_the_ranks_use():
+    from nshard.hosts import compare, devices_used
+
+    assert compare("gpu-a", 2, _host_facts(gpus=8), _here(), "cuda", "/out", "tok") == []
+    assert devices_used("gpu-a", 2, 8) == ("; ranks on GPU 0,1 of its 8 (DeepSpeed's launcher takes the first 2; to use "
+                                           "others, launch with --include gpu-a:6,7)")
+    assert devices_used("gpu-a", 2, 2) == "; ranks on GPU 0,1"
+    short = compare("gpu-a", 2, _host_facts(gpus=1), _here(), "cuda", "/out", "tok")
+    assert short == ["gpu-a: sees 1 GPU(s) for slots=2: set slots=1 in the hostfile, or make that many GPUs visible "
+                     "there"]
+
+
+def test_the_preflight_names_a_data_file_missing_or_different_on_a_host_and_a_cache_it_does_not_share():
+    from nshard.hosts import compare
+
+    facts = _host_facts(files={"plan": "a" * 64, "data.chat_train": None},
+                        cache={"NSHARD_CACHE": "/home/u/.cache/nshard", "shared": False}, cwd_exists=False,
+                        hub={"HF_HOME": "/home/u/.cache/huggingface", "cached": False, "shared": False})
+    problems = compare("gpu-b", 1, facts, _here(), "cpu", "/out", "tok")
+    assert [p.split(":")[1].strip().split(" ")[0] for p in problems] == ["has", "data.chat_train", "NSHARD_CACHE",
+                                                                        "org/model"], problems
+    assert "data.chat_train /shared/chat.jsonl is missing there: every rank reads it itself" in problems[1]
+    assert "NSHARD_CACHE (/home/u/.cache/nshard as its ranks see it) is not the launching machine's cache " \
+           "/shared/cache" in problems[2]
+    assert "snapshot_download('org/model')" in problems[3]
+    other = compare("gpu-b", 1, _host_facts(files={"plan": "a" * 64, "data.chat_train": "e" * 64}), _here(), "cpu",
+                    "/out", "tok")
+    assert other == ["gpu-b: data.chat_train /shared/chat.jsonl differs from the launching machine's (sha256 "
+                     "eeeeeeeeeeee there, bbbbbbbbbbbb here): copy the same file there"]
+    cached = _host_facts(hub={"HF_HOME": "/h", "cached": True, "shared": False})
+    assert compare("gpu-b", 1, cached, _here(), "cpu", "/out", "tok") == []
+
+
+def test_the_preflight_wants_this_shells_cache_variables_to_match_the_ranks(monkeypatch):
+    from nshard.hosts import cache_problems
+
+    monkeypatch.delenv("NSHARD_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", "/shared/hf")
+    problems = cache_problems({"NSHARD_CACHE": "/shared/cache", "HF_HOME": "/shared/hf"})
+    assert problems == ["this machine: .deepspeed_env sets NSHARD_CACHE=/shared/cache for the ranks, but this shell has "
+                        "NSHARD_CACHE=(unset); the study process and its one-rank arm read this shell, so the first "
+                        "timed arm would fill the ranks' cache: export NSHARD_CACHE=/shared/cache here too"]
+    monkeypatch.setenv("NSHARD_CACHE", "/shared/cache")
+    assert cache_problems({"NSHARD_CACHE": "/shared/cache"}) == []
+
+
+def test_the_preflight_checks_the_plan_and_resolves_its_files_as_a_run_does(tmp_path, monkeypatch):
+    from nshard.hosts import main, plan_inputs
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train.jsonl", "heldout.jsonl"):
+        (data / name).write_text("{}\n")
+    plan = tmp_path / "plans" / "mine.toml"
+    plan.parent.mkdir()
+    plan.write_text('name = "mine"\n[model]\nspec = "org/model"\n[data]\nfamilies = []\n'
+                    'chat_train = "data/train.jsonl"\nchat_heldout = "data/heldout.jsonl"\n')
+    monkeypatch.chdir(tmp_path / "plans")  # found in the folder above the plan's, as a run finds it
+    wanted = plan_inputs(str(plan))
+    assert wanted == {"files": {"plan": str(plan), "data.chat_train": str(data / "train.jsonl"),
+                                "data.chat_heldout": str(data / "heldout.jsonl")}, "hub_model": "org/model"}
+    plan.write_text(plan.read_text().replace("heldout.jsonl", "gone.jsonl"))
+    with pytest.raises(FileNotFoundError, match="data.chat_heldout=data/gone.jsonl does not exist here"):
+        plan_inputs(str(plan))
+    plan.write_text('name = "mine"\n[train]\nupdaets = 3\n')
+    (tmp_path / "hostfile").write_text("gpu-a slots=1\n")
+    assert main(["check", "--hostfile", str(tmp_path / "hostfile"), "--out", str(tmp_path / "out"), "--plan",
+                 str(plan)]) == 2
+
+
+def test_a_study_says_each_paired_screens_declared_power_before_scoring(tmp_path, capsys):
+    """screens.expected_discordance declares the paired screens' power: before any case is scored the study prints
+    the probability that an equal candidate passes at the cases its prepared sets name, and warns below 80%."""
+    from nshard.run.plan import plan_from_dict
+    from nshard.study.runner import say_declared_power
+
+    with pytest.raises(PlanError, match="screens.expected_discordance=1.5 must lie in"):
+        plan_from_dict({"screens": {"expected_discordance": 1.5}})
+    plan = plan_from_dict({"name": "p", "screens": {"expected_discordance": 0.05},
+                           "study": {"candidate": "powersgd", "arms": [
+                               {"name": "one-rank"}, {"name": "powersgd", "ranks": 2}]}})
+    run = tmp_path / "powersgd"
+    (run / "prepared").mkdir(parents=True)
+    (run / "prepared" / "sets.json").write_text(json.dumps({"eval_case_ids": [f"c{i}" for i in range(64)]}))
+    powers = say_declared_power(plan, {"powersgd": run, "one-rank": tmp_path / "one-rank"})
+    assert [p["screen"] for p in powers] == ["paired lower bound vs one-rank"] and powers[0]["n"] == 64
+    out, err = capsys.readouterr()
+    assert "declared power: paired lower bound vs one-rank (n = 64, expected discordance 5.00%)" in out
+    assert "nshard: warning: paired lower bound vs one-rank" in err and "underpowered" in err

@@ -186,3 +186,16 @@ def test_without_clipping_stage_0_s_norm_is_taken_from_the_reduced_grads_at_the_
     boundary[0] = True
     engine.step()
     assert norm.take() == pytest.approx(math.sqrt(6 * 4 + 1 + 4)) and len(stepped) == 2
+
+
+def test_an_achieved_rate_above_the_probes_peak_gives_no_mfu_and_the_next_run_probes_again(tmp_path):
+    """A CPU probe that read low (measured under load) would make MFU exceed 100%: the figure is then null, and the
+    run removes the cached probe so that the next run measures it again."""
+    cached = tmp_path / "cpu-x.json"
+    cached.write_text("{}")
+    peak = throughput.Peak(1e-9, "float32", "cpu", "matmul probe (test), cached", probe_path=str(cached))
+    meter = throughput.Meter(_docs(), active=1000, peak=peak, devices=1)
+    got = meter.figures([0, 1], seconds=0.25)
+    assert got["achieved_tflops"] > got["peak_tflops"] and got["mfu"] is None
+    assert not cached.exists()
+    assert throughput.mfu(0.5, 1.0) == 0.5 and throughput.mfu(1.5, 1.0) is None

@@ -10,7 +10,8 @@ construction: the gap is the error memory, and no buffer holds it.
 
 The exchange is a ring of isend/irecv (nshard/comm/ring.py, as nshard/seam/param_gather.py's), each partition applied as it arrives,
 so beyond the replicas a rank holds one encoded partition per peer in flight, never a second model.
-Imports only torch: the DeepSpeed side (which tensors are masters and replicas) is nshard/seam/patches.py.
+Imports only torch (and nshard/phases.py's clock): the DeepSpeed side (which tensors are masters and replicas) is
+nshard/seam/patches.py.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from nshard.comm.ring import neighbours, ring_step
+from nshard.phases import timed
 
 BITS = (8, 4, 2)
 CHUNK_BLOCKS = 4096
@@ -182,6 +184,7 @@ def exchange_isend_irecv(isend: Callable = dist.isend, irecv: Callable = dist.ir
     return exchange
 
 
+@timed("collective_wait")
 def exchange_batched(outgoing: torch.Tensor, incoming: torch.Tensor, group) -> None:
     """One ring step through batch_isend_irecv (NCCL, where a lone isend before an irecv can deadlock the ring;
     gloo runs it too, on CPU tensors, which is how the suite runs this path)."""

@@ -10,6 +10,7 @@ from nshard.comm.agree import agree_on_shapes
 from nshard.comm.layout import check_same_shapes
 from nshard.comm.ledger import ByteLedger
 from nshard.comm.transport import Transport
+from nshard.phases import timed
 
 
 def all_reduce_mean_(tensors: Sequence[torch.Tensor], transport: Transport) -> int:
@@ -82,6 +83,7 @@ class DenseReducer:
         raise ValueError("reduce_summed() needs gradients summed into error_sums(); the dense reducer has none: "
                          "call reduce()")
 
+    @timed("reducer_compute")
     def reduce(self, named_grads: Mapping[str, torch.Tensor]) -> None:
         grads = sorted_grads(named_grads)
         self.register({n: g.shape for n, g in grads.items()}, "reduce() gradients")

@@ -18,7 +18,7 @@ about 10⁷, a rank-deficient or all-zero P) the block goes to Householder QR.""
 
 def resolve(method: str, device: torch.device) -> str:
     """The method an `orthogonalization` setting runs on `device`. "auto": CholeskyQR2 on CUDA, where torch's
-    batched Householder QR loops over blocks taller than 256 rows (every real P block); Householder QR
+    batched Householder QR loops over blocks taller than 256 rows (151 of SmolLM2-135M's 211 P blocks); Householder QR
     elsewhere, since on CPU it was as fast (docs/benchmarks.md, launch/bench_orthogonalize.py)."""
     if method not in ORTHOGONALIZATIONS:
         raise ValueError(f"orthogonalization {method!r}; set it to one of {', '.join(ORTHOGONALIZATIONS)}")

@@ -21,6 +21,10 @@ from nshard.comm.layout import Layout, MatrixSlot, build_layout, check_same_shap
 from nshard.comm.ledger import ByteLedger
 from nshard.comm.orthogonal import orthonormalize_, resolve
 from nshard.comm.transport import Transport
+from nshard.phases import phase, timed
+
+PQ, ERROR_UPDATE = phase("powersgd_pq"), phase("error_update")
+"""The sub-phases of reducer_compute (nshard/phases.py) that SummedUpdate.output marks inline."""
 
 
 @dataclass
@@ -63,6 +67,7 @@ def draw_q(generator: torch.Generator, numel: int, device: torch.device) -> torc
     return torch.randn(numel, generator=generator, dtype=torch.float32).to(device)
 
 
+@timed("powersgd_pq")
 def compute_p(state: PowerSGDState, grads: Mapping[str, torch.Tensor]) -> None:
     """P = M Q for every compressed matrix, each written into its block of the flat P buffer."""
     for slot in state.layout.matrices:
@@ -70,6 +75,7 @@ def compute_p(state: PowerSGDState, grads: Mapping[str, torch.Tensor]) -> None:
         torch.matmul(m, q_block(state.q_flat, slot), out=p_block(state.p_flat, slot))
 
 
+@timed("orthogonalize")
 def orthogonalize(state: PowerSGDState) -> None:
     """Orthonormal columns for every summed P, batched per shape group (nshard/comm/orthogonal.py).
 
@@ -82,6 +88,7 @@ def orthogonalize(state: PowerSGDState) -> None:
     state.orthogonal_fallbacks += orthonormalize_(stacks, method)
 
 
+@timed("powersgd_pq")
 def compute_q(state: PowerSGDState, grads: Mapping[str, torch.Tensor]) -> None:
     """Q = Mᵀ P (P orthonormal), each written into its block of the flat Q buffer."""
     for slot in state.layout.matrices:
@@ -89,6 +96,7 @@ def compute_q(state: PowerSGDState, grads: Mapping[str, torch.Tensor]) -> None:
         torch.matmul(m.T, p_block(state.p_flat, slot), out=q_block(state.q_flat, slot))
 
 
+@timed("powersgd_pq")
 def decompress(p: torch.Tensor, q: torch.Tensor, grad: torch.Tensor) -> None:
     """Write P Qᵀ into the gradient, straight into its memory when it is contiguous fp32."""
     if grad.dtype == torch.float32 and grad.is_contiguous():
@@ -104,6 +112,7 @@ def round_to_delivered(grad: torch.Tensor, dtype: torch.dtype | None) -> None:
         grad.copy_(grad.to(dtype))
 
 
+@timed("error_update")
 def update_error(state: PowerSGDState, slot: MatrixSlot, m: torch.Tensor, grad: torch.Tensor) -> None:
     """Error = M - the output as delivered (in the gradient's dtype, rounded to the delivered dtype)."""
     state.errors.settle(slot.name, m, as_matrix(grad))
@@ -152,8 +161,9 @@ def start_compressed(state: PowerSGDState, grads: Mapping[str, torch.Tensor], tr
         return {"dense": dense_sent}, None
     prepare_buffers(state, grads[layout.matrices[0].param].device)
     if not summed:
-        for slot in layout.matrices:
-            state.errors.accumulate(slot.name, as_matrix(unit_grad(grads, slot)))
+        with ERROR_UPDATE:
+            for slot in layout.matrices:
+                state.errors.accumulate(slot.name, as_matrix(unit_grad(grads, slot)))
     compute_p(state, grads)
     p_sent = transport.all_reduce_sum_(state.p_flat)  # a sum: orthogonalization removes the scale
     orthogonalize(state)
@@ -207,6 +217,7 @@ class SummedUpdate:
         else:
             self.sent, self.previous_q = start_compressed(state, grads, reducer.transport, summed=True)
 
+    @timed("reducer_compute")
     def output(self, name: str) -> torch.Tensor:
         """The averaged gradient of a compressed matrix (fp32, rounded to its delivered dtype); once per name.
         In warm-up it is the error memory itself: read it before finish() zeroes it."""
@@ -217,18 +228,24 @@ class SummedUpdate:
         slots = self.slots[name]
         if slots[0].index is None:
             slot = slots[0]
-            out = torch.matmul(p_block(state.p_flat, slot), q_block(state.q_flat, slot).T)
-            round_to_delivered(out, state.delivered_dtypes.get(name))
-            state.errors.settle(name, state.errors.tensors[name], out)
+            with PQ:
+                out = torch.matmul(p_block(state.p_flat, slot), q_block(state.q_flat, slot).T)
+                round_to_delivered(out, state.delivered_dtypes.get(name))
+            with ERROR_UPDATE:
+                state.errors.settle(name, state.errors.tensors[name], out)
             return out.view(self.errors[name].shape)
-        out = torch.empty((len(slots), slots[0].n, slots[0].m), dtype=torch.float32, device=self.errors[name].device)
-        for i, slot in enumerate(slots):
-            torch.matmul(p_block(state.p_flat, slot), q_block(state.q_flat, slot).T, out=out[i])
-        round_to_delivered(out, state.delivered_dtypes.get(name))
-        for i, slot in enumerate(slots):
-            state.errors.settle(slot.name, state.errors.tensors[slot.name], out[i])
+        with PQ:
+            out = torch.empty((len(slots), slots[0].n, slots[0].m), dtype=torch.float32,
+                              device=self.errors[name].device)
+            for i, slot in enumerate(slots):
+                torch.matmul(p_block(state.p_flat, slot), q_block(state.q_flat, slot).T, out=out[i])
+            round_to_delivered(out, state.delivered_dtypes.get(name))
+        with ERROR_UPDATE:
+            for i, slot in enumerate(slots):
+                state.errors.settle(slot.name, state.errors.tensors[slot.name], out[i])
         return out.view(self.errors[name].shape)
 
+    @timed("reducer_compute")
     def finish(self) -> None:
         if self.pending:
             raise RuntimeError(f"update closed before the outputs of {sorted(self.pending)} were taken")
@@ -308,12 +325,14 @@ class PowerSGDReducer:
                 views[param] = errors.tensors[param].view(shapes[param])
         return views
 
+    @timed("reducer_compute")
     def reduce_summed(self, dense_grads: Mapping[str, torch.Tensor]) -> SummedUpdate:
         """Like reduce(), after each compressed matrix's gradient was added to error_sums(): the dense
         remainder's gradients are averaged in place; the matrices' outputs come from the returned
         update's output(name), then its finish()."""
         return SummedUpdate(self, dense_grads, self._error_views())
 
+    @timed("reducer_compute")
     def reduce(self, named_grads: Mapping[str, torch.Tensor]) -> None:
         """Average the gradients over ranks in place: dense during warm-up, PowerSGD after."""
         grads = sorted_grads(named_grads)

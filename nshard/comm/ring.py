@@ -26,6 +26,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from nshard.phases import timed
+
 LANES_VARIABLE = "NSHARD_RING_LANES"
 _SECOND_LANE: dict = {}
 """group (None: the default group) -> its second lane, for the two-rank groups open_second_lane() was given."""
@@ -64,6 +66,7 @@ def neighbours(group=None) -> tuple[int, int]:
     return dist.get_global_rank(group, (me + 1) % n), dist.get_global_rank(group, (me - 1) % n)
 
 
+@timed("collective_wait")
 def ring_step(outgoing: torch.Tensor, incoming: torch.Tensor, group=None, isend: Callable = dist.isend,
               irecv: Callable = dist.irecv) -> None:
     """Send `outgoing` to this rank's right neighbour in `group` while receiving `incoming` from its left one,

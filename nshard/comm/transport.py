@@ -7,6 +7,8 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
+from nshard.phases import timed
+
 # numpy has no bfloat16 and MPI no half type: these are summed in fp32, as DeepSpeed's old MpiBackend did.
 _MPI_WIDENED = (torch.bfloat16, torch.float16)
 
@@ -48,10 +50,12 @@ class TorchTransport:
         self.rank = dist.get_rank(group)
         self._all_reduce = all_reduce or dist.all_reduce
 
+    @timed("collective_wait")
     def all_reduce_sum_(self, tensor: torch.Tensor) -> int:
         self._all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         return payload_bytes(tensor)
 
+    @timed("collective_wait")
     def all_gather_object(self, obj: Any) -> list:
         gathered = [None] * self.world_size
         dist.all_gather_object(gathered, obj, group=self.group)
@@ -70,6 +74,7 @@ class MpiTransport:
         self.world_size = self.comm.Get_size()
         self.rank = self.comm.Get_rank()
 
+    @timed("collective_wait")  # the copies to and from the host included
     def all_reduce_sum_(self, tensor: torch.Tensor) -> int:
         sent = tensor.detach()
         if sent.device.type != "cpu" or sent.dtype in _MPI_WIDENED or not sent.is_contiguous():
@@ -80,6 +85,7 @@ class MpiTransport:
             tensor.copy_(sent)
         return array.nbytes
 
+    @timed("collective_wait")
     def all_gather_object(self, obj: Any) -> list:
         return self.comm.allgather(obj)
 

@@ -54,7 +54,7 @@ CPU_FP32 = Placement("cpu", "float32")
 def inference_placement(bf16: bool, cuda: bool, local_rank: int = 0, cpu_bf16: bool = False) -> Placement:
     """The run's device and dtype: on a GPU, this rank's GPU in bf16 when the run trains in bf16; on the CPU, fp32,
     or bf16 for a run that trains in bf16 where the caller asks (`cpu_bf16`: scoring, where bf16 halves greedy
-    generation time on a CPU with AVX512-BF16/AMX; docs/benchmarks.md). Replay answers stay fp32 on the CPU, so a
+    generation time on a CPU with AVX512-BF16/AMX; launch/recipe/history-benchmarks.md). Replay answers stay fp32 on the CPU, so a
     plan's prepared identity does not depend on the CPU's bf16 units."""
     if not cuda:
         return Placement("cpu", "bfloat16") if bf16 and cpu_bf16 else CPU_FP32

@@ -138,11 +138,19 @@ class ScreensSection:
     max_heldout_paired_upper_nats: float = 0.02
     """With own data: the upper confidence bound of the candidate's per-document held-out loss minus each control's,
     nats per response token, must lie below this (noninferiority on held-out loss)."""
+    expected_discordance: float = 0.0
+    """The declared power of the paired screens: the fraction of cases on which a candidate and its control are
+    expected to answer differently, from development seeds (0: not declared). The study prints, before scoring, the
+    probability that a candidate equal to its control passes each paired screen at its number of cases, and warns
+    below 80% with the number of cases that would reach 90% (analysis/paired.py, declared_power)."""
 
     def __post_init__(self):
         if not 0.5 < self.confidence < 1.0:
             raise PlanError(f"screens.confidence={self.confidence} must lie in (0.5, 1), e.g. 0.99")
         _non_negative("screens.network_usd_per_gb", self.network_usd_per_gb)
+        if not 0.0 <= self.expected_discordance < 1.0:
+            raise PlanError(f"screens.expected_discordance={self.expected_discordance} must lie in [0, 1): the "
+                            "fraction of cases a candidate and its control answer differently (0: not declared)")
 
 
 @dataclass(frozen=True)

@@ -141,10 +141,23 @@ class Receipt:
     throughput: dict = field(default_factory=dict)
     """How those were counted: the FLOP count, active parameters per token, the peak MFU divides by and its source,
     where the gradient norm comes from."""
+    update_phases: list[dict] = field(default_factory=list)
+    """Each update's seconds by phase (nshard/phases.py PHASES and "rest", summing to its update_s), as metrics.jsonl
+    has them; a state saved before phases were recorded leaves its updates out (the lists end with update_s)."""
+    update_phase_detail: list[dict] = field(default_factory=list)
+    """Each update's named parts of its phases (nshard/phases.py DETAIL: PowerSGD's P/Q products,
+    orthogonalization and error update within reducer_compute; the parameters' collectives within collective_wait)."""
+    update_microbatch_s: list[list[float]] = field(default_factory=list)
+    """Each update's forward_backward seconds per microbatch of this rank (summing to its forward_backward)."""
 
     def record_update(self, seconds: float, grad_bytes: int, other_bytes: int, compressed: bool,
-                      gpu: dict | None = None, deepspeed_grad_bytes: int = 0) -> None:
+                      gpu: dict | None = None, deepspeed_grad_bytes: int = 0, timing: dict | None = None) -> None:
+        """One update's figures; `timing` is nshard.phases.PhaseClock.stop()'s split of its seconds."""
         self.update_s.append(seconds)
+        if timing is not None:
+            self.update_phases.append(timing["phases"])
+            self.update_phase_detail.append(timing["detail"])
+            self.update_microbatch_s.append(timing["microbatch_s"])
         self.deepspeed_grad_bytes += deepspeed_grad_bytes
         self.update_grad_bytes.append(grad_bytes)
         self.update_compressed.append(compressed)
@@ -183,13 +196,18 @@ class Receipt:
         return cls(**state)
 
     def by_phase(self) -> dict:
-        """Dense (warm-up or uncompressed) and compressed updates apart: count, median seconds, median bytes."""
+        """Dense (warm-up or uncompressed) and compressed updates apart: count, median seconds, median bytes, and
+        where the seconds went (the updates that recorded phases): each phase's median (median_phase_s, PHASES and
+        "rest"), its detail's (median_phase_detail_s), and largest_phase, the phase with the largest median."""
         out = {}
+        first = len(self.update_s) - len(self.update_phases)  # the first update with phases
         for phase, flag in (("dense", False), ("compressed", True)):
             idx = [i for i, c in enumerate(self.update_compressed) if c == flag]
             out[phase] = {"updates": len(idx),
                           "median_update_s": statistics.median(self.update_s[i] for i in idx) if idx else None,
-                          "median_grad_bytes": statistics.median(self.update_grad_bytes[i] for i in idx) if idx else None}
+                          "median_grad_bytes": statistics.median(self.update_grad_bytes[i] for i in idx) if idx else None,
+                          **phase_medians([self.update_phases[i - first] for i in idx if i >= first],
+                                          [self.update_phase_detail[i - first] for i in idx if i >= first])}
         return out
 
     def finish(self, path: Path, root: str, active_plus_checkpoint_s: float, extra: dict) -> dict:
@@ -212,6 +230,10 @@ class Receipt:
             "update_throughput": self.update_throughput,
             "throughput": self.throughput_summary(),
             "by_phase": self.by_phase(),
+            "phases": phases_record(),
+            "update_phases": self.update_phases,
+            "update_phase_detail": self.update_phase_detail,
+            "update_microbatch_s": self.update_microbatch_s,
             "state_s": self.state_s,
             "state_saves": self.state_saves,
             "resumed_from_update": self.resumed_from[-1] if self.resumed_from else None,
@@ -225,6 +247,28 @@ class Receipt:
         }
         write_json_atomic(path, body)
         return body
+
+
+def phase_medians(phases: list[dict], detail: list[dict]) -> dict:
+    """The median of each phase and detail over some updates' splits, and the phase with the largest median (None
+    without any update)."""
+    if not phases:
+        return {"median_phase_s": None, "median_phase_detail_s": None, "largest_phase": None}
+    medians = {name: statistics.median(p[name] for p in phases) for name in phases[0]}
+    return {"median_phase_s": medians,
+            "median_phase_detail_s": {name: statistics.median(d[name] for d in detail) for name in detail[0]},
+            "largest_phase": max(medians, key=medians.get)}
+
+
+def phases_record() -> dict:
+    """For the receipt: what each phase holds and how it was clocked."""
+    from nshard.phases import CLOCK, DETAIL, PHASES, REST, WHAT
+
+    return {"order": [*PHASES, REST], "what": WHAT, "detail_of": DETAIL,
+            "synchronized": "torch.cuda.synchronize() at every phase boundary" if CLOCK.sync is not None
+            else "no device synchronization (the CPU)",
+            "exclusive": "a phase entered inside another is taken out of it; rest is what no phase claims, so "
+                         "the phases sum to update_s"}
 
 
 def metrics_through(path: Path, update: int) -> list[str]:

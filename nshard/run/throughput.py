@@ -59,6 +59,9 @@ class Peak:
     dtype: str
     device: str
     source: str
+    probe_path: str | None = None
+    """The CPU probe's cached record, which a run whose achieved rate exceeds it removes (the probe read low, e.g.
+    under load), so that the next run measures it again."""
 
 
 def gpu_peak(name: str, dtype: str) -> tuple[float, str] | None:
@@ -113,12 +116,12 @@ def cpu_peak(dtype: str, seconds: float = PROBE_SECONDS, root: Path | None = Non
     with (folder / f"cpu-{digest}.lock").open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if path.is_file():
-            return json.loads(path.read_text())
+            return {**json.loads(path.read_text()), "path": str(path)}
         record = {**key, "tflops": probe_matmul_tflops(dtype, seconds), "matmul": f"{PROBE_SIZE}x{PROBE_SIZE}",
                   "seconds": seconds, "measured_at": time.time()}
         write_json_atomic(path, record)
         note_one_time_work(f"measured this CPU's {dtype} matmul peak ({path})")
-        return record
+        return {**record, "path": str(path)}
 
 
 def device_peak(device: torch.device, dtype: str) -> Peak:
@@ -142,7 +145,8 @@ def device_peak(device: torch.device, dtype: str) -> Peak:
         return Peak(found[0], dtype, name, f"datasheet: {found[1]}, dense {dtype} (nshard/run/throughput.py)")
     record = cpu_peak(dtype)
     return Peak(record["tflops"], dtype, name, f"matmul probe ({record['matmul']} {dtype}, {record['threads']} "
-                                               f"threads, best rate over {record['seconds']} s), cached")
+                                               f"threads, best rate over {record['seconds']} s), cached",
+                probe_path=record.get("path"))
 
 
 def active_parameters(module: torch.nn.Module) -> int:
@@ -164,7 +168,11 @@ def active_parameters(module: torch.nn.Module) -> int:
 
 
 def mfu(achieved_tflops: float, peak_tflops: float | None) -> float | None:
-    return achieved_tflops / peak_tflops if peak_tflops else None
+    """achieved / peak; None without a peak, or when the achieved rate exceeds it (the peak is then wrong, not the
+    run: a CPU probe that read low)."""
+    if not peak_tflops or achieved_tflops > peak_tflops:
+        return None
+    return achieved_tflops / peak_tflops
 
 
 class Meter:
@@ -181,6 +189,8 @@ class Meter:
         tokens = sum(self.tokens[i] for i in batch)
         flops = budget_mod.flops(self.active, [tokens])
         achieved = flops / seconds / 1e12
+        if self.peak_tflops and achieved > self.peak_tflops and self.peak.probe_path:
+            Path(self.peak.probe_path).unlink(missing_ok=True)  # it read low: the next run measures it again
         return {"tokens": tokens, "response_tokens": sum(self.response[i] for i in batch),
                 "tokens_per_s": tokens / seconds,
                 "response_tokens_per_s": sum(self.response[i] for i in batch) / seconds,

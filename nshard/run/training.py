@@ -22,6 +22,7 @@ from nshard.run import device as device_mod
 from nshard.seam import engine as engine_mod
 from nshard.seam import patches
 from nshard.run import netcount
+from nshard.phases import CLOCK
 from nshard.run import throughput
 from nshard.seam import observe
 from nshard.run import state as state_mod
@@ -199,14 +200,15 @@ def train_update(engine, seam, run: Run, prepared, batch: list[int], pad_id: int
     sparse = {"output_router_logits": True} if run.experts is not None else {}
     local_nll = 0.0
     for step, mb in enumerate(micros):
-        ids, mask = mb.input_ids.to(device), mb.attention_mask.to(device)
-        if run.experts is not None:
-            run.experts.see(torch.zeros_like(mb.attention_mask) if mb.filler else mb.attention_mask)  # a filler is no load
-        out = seam.forward(engine, input_ids=ids, attention_mask=mask, use_cache=False, **sparse)
-        nll = weighted_nll_sum(out.logits, ids, mb.weights.to(device))
-        loss = nll * mb.loss_scale + aux_loss(run, out, mask, mb.doc_shares)
-        seam.backward_and_step(engine, loss, last=step == len(micros) - 1)
-        local_nll += nll.item()
+        with CLOCK.microbatch():  # forward_backward; the seam marks its reduction and step (nshard/phases.py)
+            ids, mask = mb.input_ids.to(device), mb.attention_mask.to(device)
+            if run.experts is not None:
+                run.experts.see(torch.zeros_like(mb.attention_mask) if mb.filler else mb.attention_mask)  # no load
+            out = seam.forward(engine, input_ids=ids, attention_mask=mask, use_cache=False, **sparse)
+            nll = weighted_nll_sum(out.logits, ids, mb.weights.to(device))
+            loss = nll * mb.loss_scale + aux_loss(run, out, mask, mb.doc_shares)
+            seam.backward_and_step(engine, loss, last=step == len(micros) - 1)
+            local_nll += nll.item()
     return local_nll
 
 
@@ -238,6 +240,8 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
     gpu_peaks = GpuPeaks()  # reset at every update, so each update's peaks are its own
     meter, grad_norm = throughput.meter(engine, prepared, run.world), observe.GradNorm(engine)
     monitor = observe.Monitor.install(engine)  # None unless the ds_config enables one of DeepSpeed's monitors
+    CLOCK.use_device(engine.device)  # every update split into phases (nshard/phases.py), synchronized on CUDA
+    patches.time_deepspeed_reduction(engine)
     receipt.throughput = {**meter.record(), "grad_norm": grad_norm.source, "monitor_step": observe.STEP}
     samples = list(itertools.accumulate(len(batch) for batch in schedule))  # the monitors' step: documents trained
     began, state_s_before = time.perf_counter(), receipt.state_s
@@ -248,17 +252,19 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
         if monitor:
             monitor.samples = samples[update]  # DeepSpeed's own events during this update's step
         t0 = time.perf_counter()
+        CLOCK.start()
         gpu_peaks.start()
         lr = engine.optimizer.param_groups[0]["lr"]  # the rate this update steps with
         local_nll = train_update(engine, seam, run, prepared, batch, pad_id)
         compressed = seam.last_update_compressed()
         _sync()
         seconds = time.perf_counter() - t0
+        timing = CLOCK.stop(seconds)  # phases summing to seconds, their detail, each microbatch's forward_backward
         counts = counter.take()
         reducer_bytes = seam.last_update_bytes()
         grad_bytes = counts["deepspeed_grad_bytes"] + reducer_bytes
         receipt.record_update(seconds, grad_bytes, counts["other_bytes"], compressed, gpu_peaks.take(),
-                              deepspeed_grad_bytes=counts["deepspeed_grad_bytes"])
+                              deepspeed_grad_bytes=counts["deepspeed_grad_bytes"], timing=timing)
         # The compression error (a pass over the error memory and a scalar all-reduce, which only a PowerSGD arm
         # would pay) is computed for the monitors that show it; monitor.enabled is the ds_config's, alike on all ranks.
         figures = {**meter.figures(batch, seconds), "grad_norm": grad_norm.take(),
@@ -274,7 +280,9 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
         record = {"update": update + 1, "loss": loss, "lr": lr, "update_s": seconds, "compressed": compressed,
                   "grad_bytes": grad_bytes, "deepspeed_grad_bytes": counts["deepspeed_grad_bytes"],
                   "reducer_bytes": reducer_bytes, "logged_reducer_bytes": counts["logged_reducer_bytes"],
-                  "parameter_bytes": counts["other_bytes"], "microbatch_sums": seam.sums, **figures,
+                  "parameter_bytes": counts["other_bytes"], "microbatch_sums": seam.sums,
+                  "phases": timing["phases"], "phase_detail": timing["detail"], "microbatch_s": timing["microbatch_s"],
+                  **figures,
                   **({"delta_gap_max": gap} if gap is not None else {}),
                   **({"expert_load": experts["load"], "dead_experts": experts["dead"],
                       "aux_loss": experts["aux_loss"]} if experts else {})}

@@ -47,8 +47,12 @@ def validate_ds_config(config: dict) -> None:
         raise DsConfigError("ds_config has no 'optimizer': add {\"type\": \"AdamW\", \"params\": {\"lr\": ...}}")
     if str(opt.get("type", "")).lower() not in ("adamw", "adam"):
         raise DsConfigError(f"optimizer.type={opt.get('type')!r}: nshard's study rule is AdamW; use \"AdamW\"")
+    if not isinstance(opt.get("params", {}), dict):
+        raise DsConfigError(f"optimizer.params={json.dumps(opt['params'], default=str)}: use an object such as "
+                            "{\"lr\": 5e-05}")
     if "lr" not in opt.get("params", {}):
         raise DsConfigError("optimizer.params.lr is missing: give a learning rate")
+    check_optimizer_params(opt["params"])
     for key in ("bf16", "bfloat16"):
         enabled = config.get(key, {}).get("enabled", False)
         if enabled not in (True, False, "auto"):
@@ -58,6 +62,31 @@ def validate_ds_config(config: dict) -> None:
         raise DsConfigError(f"optimizer.params.torch_adam={opt['params']['torch_adam']!r}: use true (torch's AdamW, "
                             "the shipped configs) or false (DeepSpeed's FusedAdam on CUDA, see docs/gpu.md)")
     activation_checkpointing(config)
+
+
+ADAMW_PARAMS = ("lr", "betas", "eps", "weight_decay")
+"""The optimizer params nshard builds torch's AdamW from (nshard/seam/engine.py: torch_adamw), DeepSpeed's defaults
+for the others: betas (0.9, 0.999), eps 1e-8, weight decay 0."""
+PATH_PARAMS = ("torch_adam", "adam_w_mode")
+"""The optimizer params that choose an implementation: torch_adam (optimizer_path), and adam_w_mode, accepted as
+true only (the AdamW that runs, whether optimizer.type says "AdamW" or "Adam")."""
+PARAM_FIXES = {"max_grad_norm": "clip with the top-level \"gradient_clipping\" key instead"}
+
+
+def check_optimizer_params(params: dict) -> None:
+    """Refuse an optimizer param that nshard would not apply, naming it: torch's AdamW is built from ADAMW_PARAMS
+    alone, so any other key (amsgrad, foreach, fused, maximize, bias_correction, ...) would be dropped without a
+    word. One rule on every path, so that a ds_config means the same on the CPU and on a GPU."""
+    for key, value in params.items():
+        if key not in ADAMW_PARAMS + PATH_PARAMS:
+            fix = PARAM_FIXES.get(key, "remove the key")
+            raise DsConfigError(f"optimizer.params.{key}={json.dumps(value, default=str)}: nshard steps AdamW with "
+                                f"{', '.join(ADAMW_PARAMS)} only (and torch_adam choosing torch's or DeepSpeed's "
+                                f"implementation), so this key would not be applied; {fix}")
+    if params.get("adam_w_mode", True) is not True:
+        raise DsConfigError(f"optimizer.params.adam_w_mode={json.dumps(params['adam_w_mode'], default=str)}: nshard "
+                            "steps AdamW (decoupled weight decay) whether optimizer.type is \"AdamW\" or \"Adam\"; "
+                            "remove the key or set it to true")
 
 
 CHECKPOINTING = "non-reentrant torch.utils.checkpoint around every decoder layer (transformers' gradient_checkpointing)"

@@ -17,12 +17,14 @@ from nshard.files import note_one_time_work
 from nshard.seam import patches
 from nshard.seam.chunked_adamw import CHUNK_ELEMENTS, chunk_steps
 from nshard.seam.ds_config import (CHECKPOINTING, TORCH_ADAMW, DsConfigError, activation_checkpointing,
-                                    ingest_mode, optimizer_path)
+                                    check_optimizer_params, ingest_mode, optimizer_path)
 
 
 def torch_adamw(params, config: dict) -> torch.optim.Optimizer:
-    """torch's AdamW from the ds_config optimizer block, with DeepSpeed's defaults (weight decay 0, not torch's 0.01)."""
+    """torch's AdamW from the ds_config optimizer block, with DeepSpeed's defaults (weight decay 0, not torch's 0.01).
+    Built from lr, betas, eps and weight_decay: any other param is refused (check_optimizer_params), never dropped."""
     p = config["optimizer"]["params"]
+    check_optimizer_params(p)
     return torch.optim.AdamW(params, lr=p["lr"], betas=tuple(p.get("betas", (0.9, 0.999))),
                              eps=p.get("eps", 1e-8), weight_decay=p.get("weight_decay", 0.0))
 
@@ -39,7 +41,12 @@ def build_engine(model: torch.nn.Module, config: dict):
         optimizer = torch_adamw(model.parameters(), config)
         # The same arithmetic in cache-sized pieces (nshard/seam/chunked_adamw.py); NSHARD_ADAMW_CHUNK sets the
         # piece size in elements, 0 leaves torch's step as it is.
-        chunk = int(os.environ.get("NSHARD_ADAMW_CHUNK", CHUNK_ELEMENTS))
+        raw = os.environ.get("NSHARD_ADAMW_CHUNK", str(CHUNK_ELEMENTS))
+        try:
+            chunk = int(raw)
+        except ValueError:
+            raise ValueError(f"NSHARD_ADAMW_CHUNK={raw!r}: give a whole number of elements (a multiple of 64), or 0 "
+                             "for torch's own step") from None
         if chunk:
             chunk_steps(optimizer, chunk)
         config.pop("optimizer")

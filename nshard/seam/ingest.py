@@ -11,6 +11,7 @@ import functools
 
 import torch
 
+from nshard.phases import phase
 from nshard.seam import patches
 from nshard.seam.reduction import ReducerSeam
 
@@ -93,20 +94,23 @@ class IngestSeam(ReducerSeam):
         else:
             sources = {n: self._sum(n) for n in self.params}
             self.reducer.reduce(sources)
-        if self.partition_writer is not None:  # ZeRO-1/2: straight into the owned partition
-            writer = self.partition_writer
-            writer.begin()
-            for n, p in self.params.items():
-                writer.write(p, sources[n]() if callable(sources[n]) else sources[n])
-            writer.finish()
-        else:  # bf16 at stage 0: through DeepSpeed's own gradient hooks
-            surrogate = sum(HandOver.apply(p, sources[n]) for n, p in self.params.items())
-            engine.backward(surrogate, scale_wrt_gas=False)
-        if update is not None:
-            update.finish()
-        engine.step()
-        for acc in self.accumulated.values():
-            acc.zero_()
+        with phase("reducer_compute"):  # the hand-over (a summed update's outputs computed as they are taken)
+            if self.partition_writer is not None:  # ZeRO-1/2: straight into the owned partition
+                writer = self.partition_writer
+                writer.begin()
+                for n, p in self.params.items():
+                    writer.write(p, sources[n]() if callable(sources[n]) else sources[n])
+                writer.finish()
+            else:  # bf16 at stage 0: through DeepSpeed's own gradient hooks
+                surrogate = sum(HandOver.apply(p, sources[n]) for n, p in self.params.items())
+                engine.backward(surrogate, scale_wrt_gas=False)
+            if update is not None:
+                update.finish()
+        with phase("optimizer_step"):
+            engine.step()
+        with phase("reducer_compute"):
+            for acc in self.accumulated.values():
+                acc.zero_()
 
 
 def _adder(acc: torch.Tensor):

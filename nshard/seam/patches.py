@@ -17,6 +17,11 @@ import sys
 
 import torch
 
+from nshard.phases import phase
+
+COLLECTIVE, PARAMETER_SYNC = phase("collective_wait"), phase("parameter_sync")
+"""The phases (nshard/phases.py) the wrapped collectives and parameter syncs below are timed as."""
+
 VERIFIED_VERSIONS = ((0, 19, 8), (0, 20, 0))  # [lowest, first unverified)
 REDUCER_LOG_NAME = "nshard_reducer"
 PARAMETER_GATHER_LOG_NAME = "nshard_parameter_gather"
@@ -33,8 +38,9 @@ ENGINE_API = ("module", "optimizer", "basic_optimizer", "device", "backward", "s
               "monitor", "get_global_grad_norm", "is_gradient_accumulation_boundary")
 # What every DeepSpeed optimizer wrapper shares with torch.optim.Optimizer and nshard reads.
 OPTIMIZER_API = ("param_groups",)
-# Private: the stage-0 all-reduce switch, and zero_grad, which nshard replaces at stage 0 in fp32.
-PRIVATE_ENGINE_ATTRS = ("enable_backward_allreduce", "zero_grad")
+# Private: the stage-0 all-reduce switch, zero_grad, which nshard replaces at stage 0 in fp32, and the reduction
+# epilogue of DeepSpeed's own backward, which nshard times (time_deepspeed_reduction).
+PRIVATE_ENGINE_ATTRS = ("enable_backward_allreduce", "zero_grad", "allreduce_gradients")
 # ZeRO-1/2's reduction, which an nshard reducer silences (allreduce_bucket's stand-in uses flatten).
 PRIVATE_ZERO_ATTRS = ("gradient_reduction_w_predivide", "allreduce_bucket", "reduce_scatter", "overlap_comm", "flatten")
 # ZeRO-1/2's owned gradient partition, which the ingest seam's ZeroPartitionWriter fills directly.
@@ -123,10 +129,25 @@ def install_grad_count() -> None:
                 sent = args[_position] if len(args) > _position else kwargs.get(_keyword)
                 GRAD_COUNT["calls"] += 1
                 GRAD_COUNT["bytes_sent"] += _message_bytes(sent)
-            return _original(*args, **kwargs)
+            with COLLECTIVE:  # timed too (nshard/phases.py): until it returns, or on CUDA until the device is done
+                return _original(*args, **kwargs)
 
         counted._nshard_counted = True
         setattr(ds_comm, op, counted)
+
+
+def time_deepspeed_reduction(engine) -> None:
+    """Under DeepSpeed's own reduction, its backward's reduction epilogue (engine.allreduce_gradients: the bucketing,
+    averaging and copies around its all-reduce) is the update's reducer_compute (nshard/phases.py); its collectives
+    stay collective_wait. Under an nshard reducer it is switched off or does nothing, and costs nothing."""
+    original = engine.allreduce_gradients
+    reduction = phase("reducer_compute")
+
+    def timed_allreduce_gradients(*args, **kwargs):
+        with reduction:
+            return original(*args, **kwargs)
+
+    engine.allreduce_gradients = timed_allreduce_gradients
 
 
 def _message_bytes(sent) -> int:
@@ -212,7 +233,8 @@ def _counted_deepspeed_gather(original, groups_flat, partitioned_param_groups, d
         if dist.get_world_size(group=group) > 1:  # DeepSpeed skips a group of one
             mine = partitions[dist.get_rank(group=group)]
             GATHER_CALLS["deepspeed"]["bytes_sent"] += mine.numel() * mine.element_size()
-    return original(groups_flat, partitioned_param_groups, dp_process_group, *args, **kwargs)
+    with PARAMETER_SYNC, COLLECTIVE:  # its collectives are deepspeed.comm's all_gather, which nshard does not wrap
+        return original(groups_flat, partitioned_param_groups, dp_process_group, *args, **kwargs)
 
 
 def _all_gather_dp_groups_in_place(groups_flat, partitioned_param_groups, dp_process_group, start_alignment_factor,
@@ -226,9 +248,10 @@ def _all_gather_dp_groups_in_place(groups_flat, partitioned_param_groups, dp_pro
 
     GATHER_CALLS["ring"]["calls"] += 1
     send = functools.partial(ds_comm.isend, log_name=PARAMETER_GATHER_LOG_NAME)
-    for group_id, partitions in enumerate(partitioned_param_groups):
-        GATHER_CALLS["ring"]["bytes_sent"] += ring_all_gather_(partitions, dp_process_group[group_id], isend=send,
-                                                               irecv=dist.irecv)
+    with PARAMETER_SYNC:  # its ring steps are collective_wait (nshard/comm/ring.py)
+        for group_id, partitions in enumerate(partitioned_param_groups):
+            GATHER_CALLS["ring"]["bytes_sent"] += ring_all_gather_(partitions, dp_process_group[group_id], isend=send,
+                                                                   irecv=dist.irecv)
 
 
 GATHER_PATHS = {"ring": "isend/irecv ring into the flat weights", "deepspeed": "deepspeed all_gather_dp_groups",
@@ -516,7 +539,8 @@ def install_delta_sync(engine, codec) -> None:
         # What step() does next, done here: after the swap its `.grad = None` would reach the replica instead, and
         # the master would keep the gradient partition alive into the next update.
         masters[i].grad = None
-        me = _sync_group(optimizer, codec, exchange, masters, replicas, i)
+        with PARAMETER_SYNC:  # encode and apply; the exchange is collective_wait
+            me = _sync_group(optimizer, codec, exchange, masters, replicas, i)
         DELTA_SYNC["swapped"][i] = masters[i]
         masters[i] = replicas[i][me]
 

@@ -13,6 +13,7 @@ import torch
 
 from nshard.comm.ledger import ByteLedger
 from nshard.comm.reducer import Reducer
+from nshard.phases import phase
 
 
 class Seam(Protocol):
@@ -57,8 +58,9 @@ class DeepSpeedReduction:
         return engine(**inputs)
 
     def backward_and_step(self, engine, loss, last: bool) -> None:
-        engine.backward(loss, scale_wrt_gas=False)
-        engine.step()  # DeepSpeed steps the optimizer only at its accumulation boundary
+        engine.backward(loss, scale_wrt_gas=False)  # its reduction epilogue: patches.time_deepspeed_reduction
+        with phase("optimizer_step"):
+            engine.step()  # DeepSpeed steps the optimizer only at its accumulation boundary
 
     def last_update_compressed(self) -> bool:
         return False
@@ -118,8 +120,10 @@ class InPlaceSeam(ReducerSeam):
     def backward_and_step(self, engine, loss, last: bool) -> None:
         engine.backward(loss, scale_wrt_gas=False)
         if last:
-            for p in self.params.values():
-                if p.grad is None:  # every parameter takes part in every update, with a zero gradient if unused
-                    p.grad = torch.zeros_like(p)
-            self.reducer.reduce({n: p.grad for n, p in self.params.items()})
-        engine.step()
+            with phase("reducer_compute"):
+                for p in self.params.values():
+                    if p.grad is None:  # every parameter takes part in every update, with a zero gradient if unused
+                        p.grad = torch.zeros_like(p)
+                self.reducer.reduce({n: p.grad for n, p in self.params.items()})
+        with phase("optimizer_step"):
+            engine.step()

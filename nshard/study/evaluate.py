@@ -414,7 +414,7 @@ def side_by_side_layout(cases: int, batch_size: int, max_new_tokens: int, cuda: 
     process, as is). On a GPU one process: the device is shared. On a CPU one process per core, at most one per
     batch, each with an equal share of the cores, where the scoring is worth it (SIDE_BY_SIDE_MIN_STEPS): on the
     2-core build machine two one-thread processes answer 1.1 to 1.25x as many cases per second as one process on both
-    cores at batch 64, and no OpenMP thread waits on a core the other holds (docs/benchmarks.md). The thread count
+    cores at batch 64, and no OpenMP thread waits on a core the other holds (docs/benchmarks.md#greedy-scoring-time-per-model). The thread count
     is recorded with every score (summary.json "threads") and validation regenerates at it: bf16 kernels may split
     their sums by thread."""
     from nshard.seam.launch_env import usable_cores

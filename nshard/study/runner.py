@@ -8,7 +8,7 @@ logs/, commitment.json, eval/<model>/, validation.json, results.json, report.md,
 evidence.tar (+ .sha256): the study's evidence and source in one archive (nshard/evidence/archive.py). With
 study.store set, the record is pushed there before any score (anchor.json says where and when), and the committed
 models and the evidence archive after the report (results.json's "stored").
-Running it again reuses every arm that finished with the same plan, ds_config and rank count.
+Running it again reuses every arm that finished with the same plan, ds_config, rank count and replay setting.
 A failed arm keeps its log and run directory (under failed/) and is reported as failed.
 """
 
@@ -236,6 +236,23 @@ def commit_candidates(out: Path, seed_dir: Path, arms: dict[str, Path]) -> dict:
     write_json_atomic(path, fresh)
     say(f"committed {len(arms)} candidate(s) before scoring: record {fresh['record_sha256'][:16]} ({path})")
     return fresh
+
+
+def say_declared_power(plan: Plan, arms: dict[str, Path]) -> list[dict]:
+    """Before any case is scored: the probability that a candidate equal to its control passes each paired screen
+    at its number of cases (screens.expected_discordance), with a warning below 80%."""
+    from nshard.analysis.report import declared_powers, power_lines
+
+    if plan.growth.enabled or plan.study.candidate not in arms:
+        return []
+    sets = json.loads((arms[plan.study.candidate] / "prepared" / "sets.json").read_text())
+    controls = [a.name for a in plan.study.arms if a.name != plan.study.candidate and a.name in arms]
+    powers = declared_powers(sets, dataclasses.asdict(plan.screens), controls)
+    for line in power_lines(powers):
+        say(f"declared power: {line[2:]}")
+        if "underpowered" in line:
+            print(f"nshard: warning: {line[2:]}", file=sys.stderr, flush=True)
+    return powers
 
 
 def score_all(plan: Plan, out: Path, seed_dir: Path, arms: dict[str, Path], record: dict | None) -> dict[str, Path]:
@@ -497,6 +514,7 @@ def run_owned(plan: Plan, plan_path: Path, out: Path, exploratory: bool) -> dict
     anchor_commitment(plan, out, record)
     if exploratory:
         say("EXPLORATORY: scoring without a commitment; every output says so")
+    say_declared_power(plan, done)
     evals = score_all(plan, out, seed_dir, done, record)
     tokenizer = load_tokenizer(ModelRef(str(seed_dir), str(seed_dir), None, "local"))
     validation = validate_scores(plan, arm_plans, out, done, evals, record, tokenizer)
