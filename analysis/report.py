@@ -184,9 +184,12 @@ def execution_block(run_dir: Path, ranks: int, usd_per_gb: float, launch: dict |
     sent = 0 if ranks == 1 else sum(r["grad_collective_bytes"] + r["other_collective_bytes"] for r in receipts)
     phases = {}
     for phase in ("dense", "compressed"):
-        medians = [r["by_phase"][phase]["median_update_s"] for r in receipts if r["by_phase"][phase]["updates"]]
+        timed = [r for r in receipts if r["by_phase"][phase]["updates"]]
+        slowest = max(timed, key=lambda r: r["by_phase"][phase]["median_update_s"]) if timed else None
         phases[phase] = {"updates": max((r["by_phase"][phase]["updates"] for r in receipts), default=0),
-                         "median_update_s": max(medians) if medians else None}
+                         "median_update_s": slowest["by_phase"][phase]["median_update_s"] if slowest else None,
+                         # where the slowest rank's median update went (receipts without phases: None)
+                         "median_phase_s": slowest["by_phase"][phase].get("median_phase_s") if slowest else None}
     per_update = [0 if ranks == 1 else sum(r["update_grad_bytes"][u] for r in receipts)
                   for u in range(len(receipts[0]["update_grad_bytes"]))]
     # On real or emulated hosts the receipts also carry the kernel's count of what crossed the link.
@@ -600,6 +603,67 @@ def learning_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+PHASE_ORDER = ("forward_backward", "reducer_compute", "collective_wait", "optimizer_step", "parameter_sync", "rest")
+"""The receipts' phases in update order (nshard/phases.py: PHASES, then REST); a name not listed goes last."""
+
+
+def phase_names(splits) -> list[str]:
+    found = {n for phases in splits for n in phases}
+    return [n for n in PHASE_ORDER if n in found] + sorted(found - set(PHASE_ORDER))
+
+
+def update_phases(arm: dict) -> tuple[str, dict] | None:
+    """The median update an arm's speed rests on, split by phase: its compressed updates if it has any, else its
+    dense ones (the slowest rank's medians)."""
+    e = arm.get("execution") or {}
+    for kind in ("compressed", "dense"):
+        block = (e.get("phases") or {}).get(kind) or {}
+        if block.get("updates") and block.get("median_phase_s"):
+            return kind, block["median_phase_s"]
+    return None
+
+
+def phases_that_do_not_shrink(results: dict) -> dict | None:
+    """The candidate's median update against the speed baseline's, phase by phase: a phase that takes at least 90%
+    of the baseline's seconds with more ranks (or that the baseline does not have) does not shrink; the largest of
+    them is what more ranks cannot buy back."""
+    by_name = {a["name"]: a for a in results["arms"]}
+    cand, base = by_name.get(results["candidate"]), by_name.get(results["speed_baseline"])
+    if not cand or not base or cand is base or cand.get("ranks", 1) <= base.get("ranks", 1):
+        return None
+    c, b = update_phases(cand), update_phases(base)
+    if not c or not b:
+        return None
+    stuck = {name: s for name, s in c[1].items() if name != "rest" and s > 0 and s >= 0.9 * b[1].get(name, 0.0)}
+    if not stuck:
+        return {"phase": None, "candidate_s": None, "baseline_s": None}
+    name = max(stuck, key=stuck.get)
+    return {"phase": name, "candidate_s": stuck[name], "baseline_s": b[1].get(name, 0.0)}
+
+
+def phase_table(results: dict) -> list[str]:
+    """Each arm's median update by phase (seconds, slowest rank), and the largest phase that does not shrink."""
+    arms = [(a, update_phases(a)) for a in results["arms"] if a.get("status") == "complete"]
+    arms = [(a, p) for a, p in arms if p]
+    if not arms:
+        return []
+    names = phase_names(phases for _, (_, phases) in arms)
+    lines = ["| Median update by phase, s (slowest rank) | " + " | ".join(
+                 f"{a['name']} ({kind})" for a, (kind, _) in arms) + " |",
+             "|" + "---|" * (len(arms) + 1)]
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(_num(phases.get(name), "{:.3f}") for _, (_, phases) in arms) + " |")
+    lines.append("| total | " + " | ".join(f"{sum(phases.values()):.3f}" for _, (_, phases) in arms) + " |")
+    stuck = phases_that_do_not_shrink(results)
+    if stuck and stuck["phase"]:
+        lines += ["", f"Largest phase that does not shrink with more ranks: **{stuck['phase']}**, "
+                      f"{stuck['candidate_s']:.3f} s in {results['candidate']}'s median update against "
+                      f"{stuck['baseline_s']:.3f} s in {results['speed_baseline']}'s."]
+    elif stuck:
+        lines += ["", "Every phase of the candidate's median update is under 90% of the speed baseline's."]
+    return lines
+
+
 def execution_table(results: dict) -> str:
     arms = [a for a in results["arms"]]
     ex = [a.get("execution") for a in arms]
@@ -710,7 +774,10 @@ def render_report(results: dict) -> str:
     if results.get("growth"):
         lines += ["## Growth", "", growth_table(results), ""]
     verdict = "NOT COMPARABLE" if s["passed"] is None else "PASSED" if s["passed"] else "FAILED"
-    lines += ["## Execution", "", execution_table(results), "", f"Speed screen: **{verdict}**", ""]
+    lines += ["## Execution", "", execution_table(results), ""]
+    if phase_table(results):
+        lines += [*phase_table(results), ""]
+    lines += [f"Speed screen: **{verdict}**", ""]
     if s["passed"] is None:
         lines += [f"The arms' times cannot be compared as the reference's were: {s.get('why')}. The ratios below "
                   "are as measured.", ""]
@@ -803,6 +870,21 @@ def write_plots(results: dict, out: Path) -> list[Path]:
     sparse = [a for a in results["arms"] if a["status"] == "complete" and any("expert_load" in m for m in a["metrics"])]
     if sparse:
         paths.append(expert_load_plot(plt, sparse, out / "expert_load.png", tag))
+    split = [(a, update_phases(a)) for a in results["arms"] if a["status"] == "complete"]
+    split = [(a, p) for a, p in split if p]
+    if split:  # one stacked bar per arm: its median update by phase
+        names = phase_names(phases for _, (_, phases) in split)
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        bottoms = [0.0] * len(split)
+        for name in names:
+            heights = [phases.get(name, 0.0) for _, (_, phases) in split]
+            ax.bar(range(len(split)), heights, 0.6, bottom=bottoms, label=name)
+            bottoms = [b + h for b, h in zip(bottoms, heights)]
+        ax.set_xticks(range(len(split)), [f"{a['name']}\n({kind})" for a, (kind, _) in split])
+        ax.set_ylabel("median update, s (slowest rank)")
+        ax.set_title(f"Where each second of an update goes{tag}")
+        ax.legend(fontsize=8)
+        paths.append(_save(fig, out / "update_phases.png"))
     return paths
 
 

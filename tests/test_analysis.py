@@ -637,3 +637,38 @@ def test_the_report_carries_the_declared_power_beside_each_paired_screen(tmp_pat
     undeclared = analyze(make_study(tmp_path / "b", candidate_correct=60, retention_shift=0.0,
                                     candidate_process_s=80.0))
     assert all(p["equal_pass_probability"] is None for p in undeclared["declared_power"])
+
+
+def test_the_report_splits_each_arms_median_update_by_phase_and_names_what_does_not_shrink(tmp_path):
+    """The execution section gets each arm's median update by phase (compressed updates where there are any) and
+    the largest phase of the candidate's that stays at 90% or more of the speed baseline's: what more ranks cannot
+    buy back. Receipts without phases leave the section out."""
+    from nshard.analysis.report import phase_table, render_report
+
+    study = make_study(tmp_path, candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
+    split = {"one-rank": ("dense", {"forward_backward": 8.0, "reducer_compute": 0.0, "collective_wait": 0.0,
+                                    "optimizer_step": 0.5, "parameter_sync": 0.0, "rest": 0.1}),
+             "dense": ("dense", {"forward_backward": 4.0, "reducer_compute": 0.2, "collective_wait": 3.0,
+                                 "optimizer_step": 0.5, "parameter_sync": 0.0, "rest": 0.1}),
+             "powersgd": ("compressed", {"forward_backward": 4.0, "reducer_compute": 0.9, "collective_wait": 0.4,
+                                         "optimizer_step": 0.5, "parameter_sync": 0.0, "rest": 0.1})}
+    for arm, (kind, phases) in split.items():
+        for path in (study / "arms" / arm / "receipts").glob("rank-*.json"):
+            receipt = json.loads(path.read_text())
+            receipt["by_phase"][kind] = {"updates": 2, "median_update_s": sum(phases.values()),
+                                         "median_phase_s": phases}
+            path.write_text(json.dumps(receipt))
+    results = analyze(study)
+    lines = phase_table(results)
+    assert lines[0] == "| Median update by phase, s (slowest rank) | one-rank (dense) | dense (dense) | powersgd (compressed) |"
+    assert "| collective_wait | 0.000 | 3.000 | 0.400 |" in lines and "| total | 8.600 | 7.800 | 5.900 |" in lines
+    # reducer_compute (0.9 s), which one rank does not have, is the largest phase that did not shrink; the
+    # optimizer step (0.5 s: every rank steps the whole model at stage 0) did not shrink either
+    assert lines[-1] == ("Largest phase that does not shrink with more ranks: **reducer_compute**, 0.900 s in "
+                         "powersgd's median update against 0.000 s in one-rank's.")
+    assert "Median update by phase" in render_report(results)
+    from nshard.analysis.report import write_plots
+
+    assert (tmp_path / "plots" / "update_phases.png") in write_plots(results, tmp_path / "plots")
+    assert phase_table(analyze(make_study(tmp_path / "b", candidate_correct=60, retention_shift=0.0,
+                                          candidate_process_s=80.0))) == []

@@ -260,3 +260,10 @@ def test_powersgd_updates_spend_time_in_the_reducer_and_collectives_and_one_dens
             # One rank: DeepSpeed's all-reduce is a copy at most; its bucketing around it is the reducer's compute.
             assert phases["collective_wait"] <= 0.05 * update_s and phases["parameter_sync"] == 0, phases
             assert phases["reducer_compute"] > 0, phases
+
+
+def test_the_report_lists_the_phases_in_the_clocks_order():
+    from nshard.analysis.report import PHASE_ORDER
+    from nshard.phases import PHASES, REST
+
+    assert PHASE_ORDER == (*PHASES, REST)

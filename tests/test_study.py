@@ -94,7 +94,10 @@ def test_the_study_writes_its_outputs_and_reports_the_failed_arm(study):
     assert "Quality screen" in report and "Speed screen: **NOT COMPARABLE**" in report and "**failed**" in report
     assert "Placement: every rank on this machine." in report
     assert {p.name for p in (out / "plots").glob("*.png")} == {"accuracy_per_family.png", "loss_per_update.png",
-                                                              "bytes_per_update.png"}
+                                                              "bytes_per_update.png", "update_phases.png"}
+    # Where each second went, from the arms' own phase receipts: every finished arm has a column.
+    assert "| Median update by phase, s (slowest rank) | one-rank (dense) | dense (dense) | powersgd (compressed) |" \
+        in report and "Largest phase that does not shrink with more ranks" in report
     # Only the candidate keeps its final complete state (a second cohort continues from it).
     arms = {a["name"]: a for a in json.loads((out / "study.json").read_text())["arms"]}
     assert arms["powersgd"]["state"]["kept"] and (out / "arms/powersgd/state").is_dir()
