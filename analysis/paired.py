@@ -58,7 +58,7 @@ def equal_pass_probability(n: int, discordance: float, margin_points: float, con
     With D discordant cases, W of them wins and L = D − W losses, the per-case differences are +1 (W times), −1
     (L times) and 0, so mean = (W − L)/n, s² = (D − n·mean²)/(n − 1) and the lower bound is mean − z·s/√n
     (mean_interval's). D ~ Binomial(n, discordance), W | D ~ Binomial(D, 1/2); the sum runs over every (D, W) whose
-    probability is not negligible (< 1e-15 of the total is left out)."""
+    probability is not negligible (each D below 1e-18 is left out)."""
     import numpy as np
     from scipy.stats import binom
 

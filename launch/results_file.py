@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
+import os
 import platform
 import re
 import subprocess
@@ -42,7 +43,7 @@ def cpu() -> dict:
     flags = set(info.get("flags", "").split())
     return {"model": info.get("model name") or platform.processor() or "unknown",
             "family": info.get("cpu family"), "model_number": info.get("model"),
-            "flags": [f for f in FLAGS if f in flags], "cores": len(__import__("os").sched_getaffinity(0))}
+            "flags": [f for f in FLAGS if f in flags], "cores": len(os.sched_getaffinity(0))}
 
 
 def slug(model: str) -> str:

@@ -237,7 +237,7 @@ def plan_inputs(plan_path: str) -> dict:
     """What a plan makes every rank read: the plan file and the data files it names, resolved as a run resolves
     them from this directory (nshard.run.plan.find_beside), and its model: a local directory, or a hub id that each
     host must find in its cache. The plan is checked first (a PlanError is bad input)."""
-    from nshard.run.models import HUB_ID, RANDOM_PREFIX
+    from nshard.run.models import spec_kind
     from nshard.run.plan import load_plan
 
     plan = load_plan(plan_path)
@@ -250,18 +250,14 @@ def plan_inputs(plan_path: str) -> dict:
                                         "directory, then beside the plan and in the folders above it): give an "
                                         "absolute path on the shared filesystem")
             files[f"data.{key}"] = str(Path(value).resolve())
-    spec, hub = plan.model.spec, None
-    builtin = spec in ("embedded", "tiny") or spec.startswith(("tiny:", RANDOM_PREFIX))
-    if not builtin:
-        local = Path(spec).expanduser()
-        if local.exists():
-            files["model.spec"] = str(local.resolve())
-        elif not spec.startswith(("/", ".", "~")) and HUB_ID.match(spec):
-            hub = spec
-        else:
-            raise FileNotFoundError(f"model.spec={spec} does not exist here: give a local transformers directory "
-                                    "(an absolute path every host has) or a hub id (org/name)")
-    return {"files": files, "hub_model": hub}
+    spec = plan.model.spec
+    kind = spec_kind(spec)
+    if kind is None:
+        raise FileNotFoundError(f"model.spec={spec} does not exist here: give a local transformers directory "
+                                "(an absolute path every host has) or a hub id (org/name)")
+    if kind == "local":
+        files["model.spec"] = str(Path(spec).expanduser().resolve())
+    return {"files": files, "hub_model": spec if kind == "hub" else None}
 
 
 def cache_problems(exported: dict[str, str]) -> list[str]:

@@ -66,26 +66,43 @@ def default_cache_dir() -> Path:
     return cache_root()
 
 
+def spec_kind(spec: str) -> str | None:
+    """What a model.spec names, building nothing: "embedded", "tiny", "random" (built into the cache on first use),
+    "local" (an existing directory or file), "hub" (org/name), or None (nothing it could name)."""
+    if spec == "embedded":
+        return "embedded"
+    if spec == "tiny" or spec.startswith("tiny:"):
+        return "tiny"
+    if spec.startswith(RANDOM_PREFIX):
+        return "random"
+    if Path(spec).expanduser().exists():
+        return "local"
+    if not spec.startswith(("/", ".", "~")) and HUB_ID.match(spec):
+        return "hub"
+    return None
+
+
 def resolve_model(spec: str, cache_dir: Path | None = None) -> ModelRef:
     """Resolve `spec`; builds "embedded", "tiny[:SEED]" and "random:NAME[:SEED]" into `<cache>/models/` on
     first use."""
     models_dir = Path(cache_dir if cache_dir is not None else default_cache_dir()) / "models"
-    if spec == "embedded":
+    kind = spec_kind(spec)
+    if kind == "embedded":
         path, sha = _ensure_embedded(models_dir)
         return ModelRef(spec, str(path), sha, "embedded")
-    if spec == "tiny" or spec.startswith("tiny:"):
+    if kind == "tiny":
         seed = _tiny_seed(spec)
         path, sha = _ensure_tiny(models_dir, seed)
         return ModelRef(spec, str(path), sha, "tiny")
-    if spec.startswith(RANDOM_PREFIX):
+    if kind == "random":
         name, seed = parse_random_spec(spec)
         path, sha = _ensure_random(models_dir, name, seed)
         return ModelRef(spec, str(path), sha, "random")
-    local = Path(spec).expanduser()
-    if local.exists():
+    if kind == "local":
+        local = Path(spec).expanduser()
         _check_model_dir(local)
         return ModelRef(spec, str(local.resolve()), dir_sha256(local), "local")
-    if not spec.startswith(("/", ".", "~")) and HUB_ID.match(spec):
+    if kind == "hub":
         return ModelRef(spec, spec, None, "hub")
     raise FileNotFoundError(f"model path {spec} does not exist; give a local transformers directory, a hub id "
                             f"(org/name), 'embedded', 'tiny[:SEED]' or 'random:NAME[:SEED]' (NAME one of "

@@ -248,9 +248,9 @@ def say_declared_power(plan: Plan, arms: dict[str, Path]) -> list[dict]:
     sets = json.loads((arms[plan.study.candidate] / "prepared" / "sets.json").read_text())
     controls = [a.name for a in plan.study.arms if a.name != plan.study.candidate and a.name in arms]
     powers = declared_powers(sets, dataclasses.asdict(plan.screens), controls)
-    for line in power_lines(powers):
+    for power, line in zip(powers, power_lines(powers)):
         say(f"declared power: {line[2:]}")
-        if "underpowered" in line:
+        if power.get("cases_for_90"):  # under 80%: declare more cases
             print(f"nshard: warning: {line[2:]}", file=sys.stderr, flush=True)
     return powers
 
