@@ -173,13 +173,17 @@ def heldout_pair(candidate: dict, control: dict, name: str, confidence: float) -
 def execution_block(run_dir: Path, ranks: int, usd_per_gb: float, launch: dict | None = None) -> dict:
     """Receipts of one arm: slowest-rank times, ranks x complete-process seconds, bytes and their price; with the
     study's record of its launch (`launch`: launcher_started_at/ended_at), the launch before the first rank process
-    and the teardown after the last receipt."""
+    and the teardown after the last receipt. The complete process group time is the last process group's (its
+    slowest rank's process seconds) plus every failed attempt's launcher wall seconds with the same inputs
+    (`launch`'s failed_attempts_s, from nshard/study/runner.py): a recovered arm counts what its failure cost."""
     launch = launch or {}
     receipts = [read_json(p) for p in sorted((run_dir / "receipts").glob("rank-*.json"))]
     if len(receipts) != ranks:
         raise StudyError(f"{run_dir}/receipts holds {len(receipts)} receipts for {ranks} ranks")
     gpu = any("peak_allocated_bytes" in r for r in receipts)
-    process_s = max(r["process_s"] for r in receipts)
+    final_process_s = max(r["process_s"] for r in receipts)
+    failed_s = launch.get("failed_attempts_s") or 0.0
+    process_s = final_process_s + failed_s
     # A world of one sends nothing, though DeepSpeed still logs (and counts) its all-reduce calls.
     sent = 0 if ranks == 1 else sum(r["grad_collective_bytes"] + r["other_collective_bytes"] for r in receipts)
     phases = {}
@@ -200,6 +204,7 @@ def execution_block(run_dir: Path, ranks: int, usd_per_gb: float, launch: dict |
     began, ended = launch.get("launcher_started_at"), launch.get("launcher_ended_at")
     return {"device": "GPU" if gpu else "CPU", "ranks": ranks,
             "precision": receipts[0].get("precision"),
+            "optimizer": optimizer_of(receipts),
             "startup_s": max((u["s"] for u in startups), default=None),
             "one_time_work": sorted({w for u in startups for w in u["one_time_work"]}) if startups else None,
             "launch_s": min(starts) - began if starts and began is not None else None,
@@ -208,12 +213,22 @@ def execution_block(run_dir: Path, ranks: int, usd_per_gb: float, launch: dict |
             "max_active_s": max(r["active_s"] for r in receipts),
             "max_active_plus_checkpoint_s": max(r["active_plus_checkpoint_s"] for r in receipts),
             "complete_process_s": process_s, "device_seconds": ranks * process_s,
+            "final_process_s": final_process_s, "failed_attempts": launch.get("failed_attempts") or 0,
+            "failed_attempts_s": failed_s, "recovery": recovery_summary(launch.get("recovery") or []),
             "sent_bytes": sent, "network_usd": sent / 1e9 * usd_per_gb, "phases": phases,
             "update_bytes": per_update,
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in receipts),
             "peak_allocated_bytes": max((r["peak_allocated_bytes"] for r in receipts if "peak_allocated_bytes" in r),
                                         default=None),
             "throughput": throughput_block(receipts)}
+
+
+def recovery_summary(recovery: list[dict]) -> list[dict]:
+    """Each resume of the arm (nshard/study/runner.py's recovery records): the update it resumed from, the updates
+    the failed attempt before it finished beyond that state and so redid, and the seconds lost, the failed
+    attempt's wall seconds after that state was written (None where the study did not record the attempt)."""
+    keys = ("resumed_from_update", "updates_reached", "updates_redone", "seconds_lost", "failed_wall_s", "failed_log")
+    return [{k: r.get(k) for k in keys} for r in recovery]
 
 
 def throughput_block(receipts: list[dict]) -> dict | None:
@@ -488,7 +503,8 @@ def analyze(study_dir: Path) -> dict:
     arms, case_rows = [], {}
     for spec in study["arms"]:
         arm = {"name": spec["name"], "ranks": spec["ranks"], "ds_config": spec["ds_config"], "status": spec["status"],
-               "log": spec.get("log"), "launcher_wall_s": spec.get("launcher_wall_s")}
+               "log": spec.get("log"), "launcher_wall_s": spec.get("launcher_wall_s"),
+               "attempts": len(spec.get("attempts") or []), "recovery": recovery_summary(spec.get("recovery") or [])}
         if spec["status"] == "complete":
             run_dir = Path(spec["run_dir"])
             run = read_json(run_dir / "run.json")
@@ -664,6 +680,15 @@ def phase_table(results: dict) -> list[str]:
     return lines
 
 
+def optimizer_of(receipts: list[dict]) -> str | None:
+    """The AdamW implementation an arm's ranks ran (receipts' optimizer.implementation; None in older receipts).
+    Ranks that disagree are an error: one arm steps one rule."""
+    found = {(r.get("optimizer") or {}).get("implementation") for r in receipts}
+    if len(found) > 1:
+        raise StudyError(f"the ranks of one arm ran different AdamW implementations: {sorted(map(str, found))}")
+    return found.pop() if found else None
+
+
 def execution_table(results: dict) -> str:
     arms = [a for a in results["arms"]]
     ex = [a.get("execution") for a in arms]
@@ -672,9 +697,12 @@ def execution_table(results: dict) -> str:
         ("Ranks", lambda a, e: str(a["ranks"])),
         ("Compute (masters, moments, error memory)", lambda a, e: "—" if not e.get("precision") else
          f"{e['precision']['compute']} ({e['precision']['masters']})"),
+        ("AdamW implementation", lambda a, e: e.get("optimizer") or "—"),
         ("Maximum rank active time", lambda a, e: _num(e and e["max_active_s"], "{:,.2f} s")),
         ("Active time plus final checkpoint", lambda a, e: _num(e and e["max_active_plus_checkpoint_s"], "{:,.2f} s")),
         ("Complete process group", lambda a, e: _num(e and e["complete_process_s"], "{:,.2f} s")),
+        ("Failed attempts, their wall time (counted above)", lambda a, e: _failed_cell(e)),
+        ("Recovery: resumed from update, updates redone, seconds lost", lambda a, e: _recovery_cell(e)),
         ("Start-up: process start to first update (slowest rank)",
          lambda a, e: _num(e.get("startup_s"), "{:,.2f} s")),
         ("Launch before the first rank process", lambda a, e: _num(e.get("launch_s"), "{:,.2f} s")),
@@ -702,6 +730,28 @@ def execution_table(results: dict) -> str:
         lines.append(f"| {title} | " + " | ".join(cell(a, e) if (e or title == "Ranks") else a["status"]
                                                 for a, e in zip(arms, ex)) + " |")
     return "\n".join(lines)
+
+
+def _failed_cell(e: dict) -> str:
+    n = e.get("failed_attempts") or 0
+    return "none" if not n else f"{n}, {e['failed_attempts_s']:,.2f} s"
+
+
+def _recovery_cell(e: dict) -> str:
+    """One entry per resume: 'update U, R redone, L s lost' ('?' where the study did not record the attempt)."""
+    parts = [f"update {r['resumed_from_update']}, "
+             + ("? redone, ? s lost" if r["seconds_lost"] is None else
+                f"{r['updates_redone']} redone, {r['seconds_lost']:,.2f} s lost") for r in e.get("recovery") or []]
+    return "; ".join(parts) or "—"
+
+
+RECOVERY_TEXT = ("An arm that lost a rank (or whose study was stopped) resumed from its newest complete state that "
+                 "verified, in the same run directory. Updates redone: the updates the failed attempt finished "
+                 "(its metrics.jsonl lines) beyond that state. Seconds lost: the failed attempt's wall seconds after "
+                 "that state was written (its manifest's written_at), i.e. the updates beyond it, the failure and "
+                 "the teardown; all of its wall seconds when the state is older than the attempt. The complete "
+                 "process group time is the last process group's plus every failed attempt's launcher wall "
+                 "seconds with the same plan and ds_config, and the allocated seconds are ranks times that.")
 
 
 def _tokens_cell(e: dict) -> str:
@@ -775,6 +825,8 @@ def render_report(results: dict) -> str:
         lines += ["## Growth", "", growth_table(results), ""]
     verdict = "NOT COMPARABLE" if s["passed"] is None else "PASSED" if s["passed"] else "FAILED"
     lines += ["## Execution", "", execution_table(results), ""]
+    if any((a.get("execution") or {}).get("failed_attempts") or a.get("recovery") for a in results["arms"]):
+        lines += [RECOVERY_TEXT, ""]
     if phase_table(results):
         lines += [*phase_table(results), ""]
     lines += [f"Speed screen: **{verdict}**", ""]

@@ -1,7 +1,7 @@
-"""Test-only fault injection: NSHARD_FAULT=RANK:UPDATE[:PHASE] makes one rank fail at a chosen point.
+"""Fault injection: NSHARD_FAULT=RANK:UPDATE[:PHASE] makes one rank fail at a chosen point.
 
-Used by tests/test_resume.py and launch/kill_resume.py to stop a run deterministically; unset (the
-normal case) it does nothing. UPDATE counts completed updates (1 = after the first). PHASE:
+Set by tests (tests/test_resume.py), launch/kill_resume.py and a study plan's [study.fault] (for that arm's first
+attempt only, nshard/study/runner.py) to stop a run deterministically; unset (the normal case) it does nothing. UPDATE counts completed updates (1 = after the first). PHASE:
 - "update" (default): SIGKILL after that update's optimizer step, before any check or save;
 - "save": SIGKILL in the middle of the state save after that update, once DeepSpeed's files are
   written and before this rank's own part (so the save is left half-made);

@@ -185,6 +185,39 @@ class ArmSpec:
             raise PlanError(f"study.arms[{self.name}].grown={self.grown!r}: use true or false")
 
 
+FAULT_PHASES = ("update", "save")
+"""Where a declared fault kills its rank (nshard/run/fault.py): after the update's optimizer step, or in the middle
+of the state save after it."""
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """A declared worker failure ([study.fault]): on the arm's first attempt, SIGKILL one rank at one update
+    (nshard/run/fault.py's NSHARD_FAULT), so the study shows the arm recovering from its newest complete state."""
+
+    arm: str = ""
+    """The arm whose rank is killed."""
+    rank: int = 1
+    """The rank killed, 0 .. the arm's ranks - 1."""
+    update: int = 0
+    """The update after which it is killed (1 = after the first); a complete state must be saved before it."""
+    phase: str = "update"
+    """"update": right after that update's optimizer step; "save": in the middle of the state save after it."""
+
+    def __post_init__(self):
+        if not self.arm:
+            raise PlanError("study.fault.arm is missing: name the arm whose rank is killed, e.g. arm = \"powersgd\"")
+        if self.phase not in FAULT_PHASES:
+            raise PlanError(f"study.fault.phase={self.phase!r}: use \"update\" (after the update's optimizer step) or "
+                            "\"save\" (in the middle of the state save after it)")
+        _non_negative("study.fault.rank", self.rank)
+        _positive("study.fault.update", self.update)
+
+    def env(self) -> str:
+        """NSHARD_FAULT's value for the arm's first launch."""
+        return f"{self.rank}:{self.update}:{self.phase}"
+
+
 def cohort_arms() -> list[dict]:
     """A second cohort's default [[study.arms]]: the candidate (two ranks, PowerSGD, with replay) and a no-replay
     control; both continue the accepted candidate's state, so both take its reducer and rank count."""
@@ -227,6 +260,9 @@ class StudySection:
     store: str = ""
     """s3://bucket/prefix or a local directory that receives the commitment record before any score, then the
     models and the evidence archive (docs/evidence.md); empty: nothing is stored."""
+    fault: FaultSpec | None = None
+    """[study.fault]: kill one rank of one arm at one update on the arm's first attempt (the study then resumes the arm
+    from its newest complete state); absent: no fault."""
 
     def __post_init__(self):
         _check_store(self.store)
@@ -382,6 +418,7 @@ class Plan:
 
     def __post_init__(self):
         check_growth(self)
+        check_fault(self)
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
             raise PlanError(f"name={self.name!r}: use letters, digits, '-', '_' or '.' (it names the run directory)")
         n_train = self.train_documents()
@@ -426,6 +463,41 @@ def check_growth(plan: "Plan") -> None:
     if problem:
         key, text = problem
         raise PlanError(f"growth.{key}={getattr(plan.growth, key)}: {text}")
+
+
+def check_fault(plan: "Plan") -> None:
+    """[study.fault] names a rank of an arm and an update the arm reaches, after a complete state was saved: the
+    arm then resumes from that state, not from scratch (checkpoint.every sets where states are saved)."""
+    fault = plan.study.fault
+    if fault is None:
+        return
+    names = [a.name for a in plan.study.arms]
+    if fault.arm not in names:
+        raise PlanError(f"study.fault.arm={fault.arm!r} is not an arm; arms are {names}")
+    ranks = plan.study.arm(fault.arm).ranks
+    if fault.rank >= ranks:
+        raise PlanError(f"study.fault.rank={fault.rank}: arm {fault.arm} has ranks 0..{ranks - 1}; kill one of those")
+    if plan.growth.enabled:
+        raise PlanError("study.fault in a growth study: each arm's updates come from the budget once the study starts, "
+                        "so the update may never be reached; declare the fault in a study without [growth]")
+    updates, every = plan.train.updates, plan.checkpoint.every
+    if fault.update > updates:
+        raise PlanError(f"study.fault.update={fault.update} is beyond train.updates={updates}: the arm finishes "
+                        f"before it; choose an update up to {updates}")
+    if every == 0 or fault.update <= every:
+        smaller = ("" if fault.update == 1 else "checkpoint.every = 1" if fault.update == 2
+                   else f"checkpoint.every between 1 and {fault.update - 1}")
+        if every == 0:
+            raise PlanError(f"study.fault.update={fault.update} needs a complete state saved before it, but "
+                            "checkpoint.every = 0 saves one only at the end, so the arm could only restart from "
+                            f"scratch; set {smaller or 'a later study.fault.update and checkpoint.every below it'}")
+        raise PlanError(f"study.fault.update={fault.update} comes before the first complete state (checkpoint.every = "
+                        f"{every} saves it after update {every}), so the arm could only restart from scratch; choose "
+                        f"an update above {every}" + (f", or {smaller}" if smaller else ""))
+    if fault.phase == "save" and fault.update % every and fault.update != updates:
+        raise PlanError(f"study.fault.update={fault.update} with phase = \"save\": no state is saved after update "
+                        f"{fault.update} (checkpoint.every = {every}); choose a multiple of {every} or "
+                        f"train.updates ({updates})")
 
 
 def upcycling_problem(experts: int, top_k: int, seed: int, router_std: float, aux_coef: float) -> tuple[str, str] | None:
@@ -530,6 +602,10 @@ def _check_type(key: str, value, hint):
         if isinstance(value, list) and all(isinstance(v, dict) for v in value):
             return tuple(_build_section(f"{key}[{i}]", ArmSpec, v) for i, v in enumerate(value))
         raise PlanError(f"{key} must be a list of [[{key}]] tables (name, ranks, ds_config), got {value!r}")
+    if hint == (FaultSpec | None):
+        if isinstance(value, dict):
+            return _build_section(key, FaultSpec, value)
+        raise PlanError(f"{key} must be a [{key}] table (arm, rank, update, phase), got {value!r}")
     if hint == tuple[str, ...]:
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return tuple(value)

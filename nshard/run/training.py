@@ -291,6 +291,11 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
             monitor.write(record, samples[update])
         bar.set_postfix(loss=f"{loss:.4f}", s_per_update=f"{seconds:.2f}", tokens_per_s=f"{figures['tokens_per_s']:.0f}",
                         MB_sent=f"{(grad_bytes + counts['other_bytes']) / 1e6:.2f}", refresh=False)
+        # Active time so far goes into the receipt before a state save, so a resumed run's receipt counts the updates
+        # it did not redo (state saves and replica checks are timed apart, in receipt.state_s).
+        now = time.perf_counter()
+        receipt.active_s += now - began - (receipt.state_s - state_s_before)
+        began, state_s_before = now, receipt.state_s
         keeper.after_update(update + 1, receipt)
         counter.take()  # a replica check's or state save's collectives belong to no update
     ledger = seam.ledger  # None under DeepSpeed's own reduction
@@ -373,6 +378,15 @@ def record_resume(run: Run, point: state_mod.ResumePoint, inputs: tuple) -> dict
     return record
 
 
+def first_start(run: Run) -> dict | None:
+    """A resumed cohort run's start record: the one its first attempt wrote into run.json (the resumed state
+    descends from that start; the resume itself is recorded under resumed_from)."""
+    try:
+        return json.loads((run.out / "run.json").read_text())["cohort"]["start"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def start_cohort(run: Run, engine, seam) -> dict:
     """A second cohort's first update continues the accepted candidate: its complete state is loaded (start =
     "state") or its export was (start = "weights"); either way checked on every rank before training."""
@@ -443,7 +457,7 @@ def train_owned(run: Run, overwrite: bool, resume_from: state_mod.ResumePoint | 
     run.experts = experts_mod.ExpertTap.find(engine.module, list(prepared[0].input_ids))
     keeper = state_mod.StateKeeper(run, engine, seam, identity)
     start, receipt = keeper.restore(resume_from) if resume_from else (0, None)
-    started = start_cohort(run, engine, seam) if run.start and not resume_from else None
+    started = (start_cohort(run, engine, seam) if not resume_from else first_start(run)) if run.start else None
     resumed = on_main_rank(run, record_resume, run, resume_from, inputs) if resume_from else None
     setup_gpu = gpu_peaks.take()  # model load, replay generation, engine build (and restore)
     mark("engine")
@@ -454,14 +468,15 @@ def train_owned(run: Run, overwrite: bool, resume_from: state_mod.ResumePoint | 
     root = export_model(run, engine, tokenizer, identity)
     receipt.record_gpu_phase("export", gpu_peaks.take())
     active_plus_checkpoint = receipt.active_s + receipt.state_s + time.perf_counter() - t0
+    ds_config = json.loads(run.ds_config_path.read_text())
     extra = {"zero_stage": engine_mod.zero_stage(engine), "reducer": seam.name,
              "prepared_identity": identity, "comms_logged": patches.comms_logged(),
              "comms_logger": patches.comms_logger_receipt(),
              "parameter_all_gather": patches.parameter_all_gather(engine),
              "reduction_ran": reduction_ran(seam, receipt),
              **patches.optimizer_memory(engine), "device": str(engine.device),
-             "optimizer": patches.optimizer_classes(engine), "determinism": determinism,
-             "precision": ds_precision(json.loads(run.ds_config_path.read_text())),
+             "optimizer": engine_mod.optimizer_record(engine, ds_config), "determinism": determinism,
+             "precision": ds_precision(ds_config),
              "startup": startup(receipt.first_update_at),
              "experts": run.experts and {**run.experts.declared(), **experts_mod.summary(receipt.update_experts)},
              "budget": budget, "activation_checkpointing": engine_mod.checkpointing_record(engine)}

@@ -67,22 +67,27 @@ def validate_ds_config(config: dict) -> None:
 ADAMW_PARAMS = ("lr", "betas", "eps", "weight_decay")
 """The optimizer params nshard builds torch's AdamW from (nshard/seam/engine.py: torch_adamw), DeepSpeed's defaults
 for the others: betas (0.9, 0.999), eps 1e-8, weight decay 0."""
-PATH_PARAMS = ("torch_adam", "adam_w_mode")
-"""The optimizer params that choose an implementation: torch_adam (optimizer_path), and adam_w_mode, accepted as
-true only (the AdamW that runs, whether optimizer.type says "AdamW" or "Adam")."""
+PATH_PARAMS = ("torch_adam", "fused", "adam_w_mode")
+"""The optimizer params that choose an implementation: torch_adam (optimizer_path), fused (torch's fused AdamW
+kernel or its single-tensor step; optimizer_implementation), and adam_w_mode, accepted as true only (the AdamW that
+runs, whether optimizer.type says "AdamW" or "Adam")."""
 PARAM_FIXES = {"max_grad_norm": "clip with the top-level \"gradient_clipping\" key instead"}
 
 
 def check_optimizer_params(params: dict) -> None:
     """Refuse an optimizer param that nshard would not apply, naming it: torch's AdamW is built from ADAMW_PARAMS
-    alone, so any other key (amsgrad, foreach, fused, maximize, bias_correction, ...) would be dropped without a
+    alone, so any other key (amsgrad, foreach, maximize, bias_correction, ...) would be dropped without a
     word. One rule on every path, so that a ds_config means the same on the CPU and on a GPU."""
     for key, value in params.items():
         if key not in ADAMW_PARAMS + PATH_PARAMS:
             fix = PARAM_FIXES.get(key, "remove the key")
             raise DsConfigError(f"optimizer.params.{key}={json.dumps(value, default=str)}: nshard steps AdamW with "
-                                f"{', '.join(ADAMW_PARAMS)} only (and torch_adam choosing torch's or DeepSpeed's "
+                                f"{', '.join(ADAMW_PARAMS)} only (and torch_adam and fused choosing the "
                                 f"implementation), so this key would not be applied; {fix}")
+    if not isinstance(params.get("fused", True), bool):
+        raise DsConfigError(f"optimizer.params.fused={json.dumps(params['fused'], default=str)}: use true (torch's "
+                            "fused AdamW kernel, the default) or false (torch's single-tensor AdamW, stepped in "
+                            "pieces on the CPU)")
     if params.get("adam_w_mode", True) is not True:
         raise DsConfigError(f"optimizer.params.adam_w_mode={json.dumps(params['adam_w_mode'], default=str)}: nshard "
                             "steps AdamW (decoupled weight decay) whether optimizer.type is \"AdamW\" or \"Adam\"; "
@@ -132,10 +137,27 @@ def optimizer_path(config: dict, cuda: bool) -> str:
     return TORCH_ADAMW if not cuda or config["optimizer"].get("params", {}).get("torch_adam", False) else FUSED_ADAM
 
 
+def optimizer_implementation(config: dict, cuda: bool, chunk: int) -> str:
+    """What steps AdamW, as the receipts and the report name it. torch's AdamW runs its fused kernel (one pass
+    over parameter, gradient and both moments, on the CPU as on a GPU) unless optimizer.params.fused is false; then
+    its single-tensor step, in pieces of `chunk` elements on the CPU (chunked_adamw; 0: whole tensors)."""
+    if optimizer_path(config, cuda) == FUSED_ADAM:
+        return FUSED_ADAM
+    if config["optimizer"].get("params", {}).get("fused", True):
+        return f"{TORCH_ADAMW}, fused"
+    if cuda or not chunk:
+        return f"{TORCH_ADAMW}, single-tensor"
+    return f"{TORCH_ADAMW}, single-tensor in {chunk}-element pieces"
+
+
 def check_optimizer_path(config: dict, cuda: bool) -> None:
     """Refuse the optimizer path nshard cannot vouch for: FusedAdam under bf16 at stage 0, where DeepSpeed wraps
     it in its FP16_Optimizer (bf16 mode) instead of the FP16_UnfusedOptimizer that torch's AdamW gets."""
     stage = config.get("zero_optimization", {}).get("stage", 0)
+    if optimizer_path(config, cuda) == FUSED_ADAM and "fused" in config["optimizer"].get("params", {}):
+        raise DsConfigError("optimizer.params.fused chooses between torch's AdamW kernels, but "
+                            "optimizer.params.torch_adam is false, so DeepSpeed's FusedAdam steps: remove the fused "
+                            "key or set torch_adam to true")
     if optimizer_path(config, cuda) == FUSED_ADAM and _bf16(config) and stage == 0:
         raise DsConfigError("optimizer.params.torch_adam=false with bf16 at zero_optimization.stage=0: DeepSpeed "
                             "would step FusedAdam inside its FP16_Optimizer, which no nshard test covers; set "

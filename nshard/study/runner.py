@@ -9,7 +9,9 @@ evidence.tar (+ .sha256): the study's evidence and source in one archive (nshard
 study.store set, the record is pushed there before any score (anchor.json says where and when), and the committed
 models and the evidence archive after the report (results.json's "stored").
 Running it again reuses every arm that finished with the same plan, ds_config, rank count and replay setting.
-A failed arm keeps its log and run directory (under failed/) and is reported as failed.
+An interrupted arm (a killed rank, a stopped study; [study.fault] declares one) resumes from its newest complete
+state that verifies; without one it starts again from scratch, its earlier run directory under failed/. A failed
+arm keeps every attempt's log and is reported as failed.
 """
 
 from __future__ import annotations
@@ -59,12 +61,14 @@ def resolve_ds_config(path: str, plan_path: Path) -> Path:
 
 
 def launch_command(arm: ArmSpec, plan: Plan, plan_path: Path, ds_config: Path, run_dir: Path, port: int,
-                   hosts: dict | None = None) -> list[str]:
+                   hosts: dict | None = None, resume: bool = False) -> list[str]:
     """DeepSpeed's own launcher: one rank, N local ranks, the plan's hostfile, or the emulated hosts (the one-rank
-    arm on the first, through the same multi-node path, and a two-rank arm across both)."""
+    arm on the first, through the same multi-node path, and a two-rank arm across both). resume: continue the run
+    directory from its newest complete state (--resume) instead of starting it afresh (--overwrite)."""
     deepspeed = str(Path(sys.executable).with_name("deepspeed"))
     return [deepspeed, *launcher_where(arm, plan, hosts), "--master_port", str(port), str(TRAIN_SCRIPT),
-            "--ds_config", str(ds_config), "--plan", str(plan_path), "--out", str(run_dir), "--overwrite",
+            "--ds_config", str(ds_config), "--plan", str(plan_path), "--out", str(run_dir),
+            "--resume" if resume else "--overwrite",
             *([] if arm.replay else ["--no_replay"]),
             *(["--grown", str(growth_mod.grown_dir(run_dir.parent.parent))] if arm.grown else [])]
 
@@ -112,20 +116,102 @@ def arm_is_done(run_dir: Path, plan_sha: str, ds_sha: str, ranks: int, replay: b
             and (run_dir / "model" / "model.safetensors").is_file())
 
 
-def logged_launch(cmd: list[str], log: Path) -> tuple[int, float, float]:
+def logged_launch(cmd: list[str], log: Path, fault: str | None = None) -> tuple[int, float, float]:
     """Run a launcher command with its output (after the command line) in `log`: exit status, seconds, and the
-    wall-clock time it started."""
+    wall-clock time it started. fault: NSHARD_FAULT for this launch alone (nshard/run/fault.py); every other launch
+    runs without one, whatever the study's own environment holds."""
+    env = {k: v for k, v in os.environ.items() if k != "NSHARD_FAULT"}
+    if fault:
+        env["NSHARD_FAULT"] = fault
     t0, started_at = time.perf_counter(), time.time()
     with log.open("w") as f:
-        f.write("$ " + " ".join(cmd) + "\n")
+        f.write(("" if not fault else f"$ export NSHARD_FAULT={fault}\n") + "$ " + " ".join(cmd) + "\n")
         f.flush()
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env).returncode
     return rc, time.perf_counter() - t0, started_at
+
+
+def resume_point(run_dir: Path, plan_path: Path, ds_config: Path, ranks: int):
+    """The state an interrupted attempt of the arm continues from: the newest complete state of its run directory that
+    verifies and was made with these inputs (nshard/run/state.py: find_resumable, what the trainer's --resume picks;
+    newer damaged states are passed over), or None: no such state, the arm starts from scratch."""
+    from nshard.run.state import StateError, find_resumable
+
+    if not (run_dir / "state").is_dir():
+        return None
+    try:
+        return find_resumable(run_dir, plan_path, ds_config, ranks)
+    except StateError:
+        return None
+
+
+def updates_reached(run_dir: Path) -> int:
+    """The updates an attempt finished, as metrics.jsonl records them (rank 0 writes a line once an update is done;
+    a resume drops the lines after its state, so read it before the resume starts)."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    reached = 0
+    for number, line in enumerate(lines, start=1):
+        try:
+            if json.loads(line).get("update") != number:
+                break
+        except (ValueError, AttributeError):
+            break
+        reached = number
+    return reached
+
+
+def recovery_record(point, failed: dict | None) -> dict:
+    """What resuming from `point` after the failed attempt `failed` (None: an attempt the study did not record,
+    because the study itself was stopped) redoes and loses. seconds_lost is the failed attempt's wall seconds after
+    the resumed state was written (its manifest's written_at): the updates after that state, the failure and the
+    teardown; all of its wall seconds when the state is older than the attempt."""
+    written = datetime.datetime.fromisoformat(json.loads((point.state / "manifest.json").read_text())["written_at"])
+    written_at = written.timestamp()
+    record = {"resumed_from_update": point.update, "state": point.state.name, "state_written_at": written_at,
+              "skipped_states": [dict(s) for s in point.skipped], "failed_log": None, "failed_wall_s": None,
+              "updates_reached": None, "updates_redone": None, "seconds_lost": None}
+    if failed is not None:
+        wall, reached = failed["wall_s"], failed["updates_reached"]
+        kept = min(max(written_at - failed["started_at"], 0.0), wall)
+        record.update(failed_log=failed["log"], failed_wall_s=wall, updates_reached=reached,
+                      updates_redone=max(reached - point.update, 0), seconds_lost=wall - kept)
+    return record
+
+
+def launch_attempt(arm: ArmSpec, plan: Plan, plan_path: Path, ds_config: Path, run_dir: Path, log: Path,
+                   hosts: dict | None, point, fault: str | None) -> dict:
+    """One launch of the arm into run_dir: from scratch (point None) or resumed from `point`; its record."""
+    cmd = launch_command(arm, plan, plan_path, ds_config, run_dir, free_port(), hosts, resume=point is not None)
+    how = "from scratch" if point is None else f"resumed from {point.state.name}"
+    say(f"arm {arm.name}: training on {arm.ranks} rank(s) with {arm.ds_config}, {how}"
+        + (f", with the plan's fault NSHARD_FAULT={fault}" if fault else "") + f" (log: {log})")
+    rc, wall, started_at = logged_launch(cmd, log, fault)
+    # Wall-clock ends of the launch (the receipts' process_start_at share the clock: emulated hosts share the
+    # kernel), so the report can show the launch before the ranks' processes and the teardown after their receipts.
+    return {"rc": rc, "log": str(log), "wall_s": wall, "started_at": started_at, "ended_at": time.time(),
+            "at": datetime.datetime.now(datetime.timezone.utc).isoformat(), "plan_sha256": file_sha256(plan_path),
+            "ds_config_sha256": file_sha256(ds_config), "resumed_from_update": None if point is None else point.update,
+            "fault": fault, "updates_reached": None if rc == 0 else updates_reached(run_dir)}
+
+
+def attempt_cost(attempts: list[dict], plan_sha: str, ds_sha: str) -> dict:
+    """The failed attempts of the arm with its final inputs (plan and ds_config): how many, and their launcher wall
+    seconds, which the arm's complete process group time counts (no receipt survives a killed rank)."""
+    failed = [a for a in attempts if a["rc"] != 0 and a.get("plan_sha256") == plan_sha
+              and a.get("ds_config_sha256") == ds_sha]
+    return {"failed_attempts": len(failed), "failed_attempts_s": sum(a["wall_s"] for a in failed)}
 
 
 def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: dict | None,
               hosts: dict | None = None) -> dict:
-    """Train one arm unless it already finished with these inputs; a failure is recorded, never retried here."""
+    """Train one arm unless it already finished with these inputs. An interrupted attempt (a killed rank, a
+    stopped study) is continued with --resume from its newest complete state that verifies, in the same run
+    directory, as long as each failed attempt saved a newer state than it started from; without such a state the
+    arm starts from scratch (the earlier run directory kept under failed/). The plan's [study.fault] kills one
+    rank of its arm on the arm's first attempt."""
     ds_config = resolve_ds_config(arm.ds_config, plan_path)
     run_dir = out / "arms" / arm.name
     plan_sha, ds_sha = file_sha256(plan_path), file_sha256(ds_config)
@@ -136,35 +222,71 @@ def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: di
         say(f"arm {arm.name}: finished earlier with the same plan and ds_config; reused")
         last = attempts[-1] if attempts else {}
         return {**entry, "status": "complete", "reused": True, "log": last.get("log"),
-                "launcher_wall_s": last.get("wall_s")}
+                "launcher_wall_s": last.get("wall_s"), "recovery": (previous or {}).get("recovery", []),
+                **attempt_cost(attempts, plan_sha, ds_sha)}
     # A killed study recorded no attempt for the arm it was training, but left its log: the next number is free.
     number = len(attempts) + 1
     while (out / "logs" / f"{arm.name}-attempt-{number}.log").exists():
         number += 1
-    if run_dir.exists():  # an unfinished or stale attempt stays in the evidence, out of the way
+    declared = plan.study.fault
+    fault = declared.env() if declared and declared.arm == arm.name and number == 1 else None
+    point = resume_point(run_dir, plan_path, ds_config, arm.ranks)
+    recovery = []
+    if point is not None:  # an attempt of an earlier study run was interrupted: continue it
+        last = attempts[-1] if attempts else None
+        recorded = last if last and last["log"] == str(out / "logs" / f"{arm.name}-attempt-{number - 1}.log") else None
+        recovery = [*(previous or {}).get("recovery", []), recovery_record(point, recorded)]
+    elif run_dir.exists():  # an unfinished or stale attempt with no state to continue stays in the evidence
         keep = out / "failed" / f"{arm.name}-attempt-{number - 1}"
         keep.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(keep, ignore_errors=True)
         run_dir.rename(keep)
-    log = out / "logs" / f"{arm.name}-attempt-{number}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = launch_command(arm, plan, plan_path, ds_config, run_dir, free_port(), hosts)
-    say(f"arm {arm.name}: training on {arm.ranks} rank(s) with {arm.ds_config} (log: {log})")
-    rc, wall, started_at = logged_launch(cmd, log)
-    # Wall-clock ends of the launch (the receipts' process_start_at share the clock: emulated hosts share the
-    # kernel), so the report can show the launch before the ranks' processes and the teardown after their receipts.
-    attempts.append({"rc": rc, "log": str(log), "wall_s": wall, "started_at": started_at, "ended_at": time.time(),
-                     "at": datetime.datetime.now(datetime.timezone.utc).isoformat()})
-    ok = rc == 0 and arm_is_done(run_dir, plan_sha, ds_sha, arm.ranks, arm.replay)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    while True:
+        log = out / "logs" / f"{arm.name}-attempt-{number}.log"
+        attempt = launch_attempt(arm, plan, plan_path, ds_config, run_dir, log, hosts, point, fault)
+        attempts.append(attempt)
+        ok = attempt["rc"] == 0 and arm_is_done(run_dir, plan_sha, ds_sha, arm.ranks, arm.replay)
+        if fault and ok:
+            print(f"nshard: warning: arm {arm.name}: the plan's fault NSHARD_FAULT={fault} did not stop it: the "
+                  "variable did not reach the rank (local launches and the emulated hosts pass it; other hosts' sshd "
+                  "must accept NSHARD_* variables)", file=sys.stderr, flush=True)
+        if ok:
+            break
+        after = resume_point(run_dir, plan_path, ds_config, arm.ranks)
+        if after is None or after.update <= (point.update if point else 0):
+            break  # no newer complete state: a resume would repeat the attempt that just failed
+        say(f"arm {arm.name}: attempt {number} failed (exit {attempt['rc']}) after update "
+            f"{attempt['updates_reached']}; resuming from {after.state.name}")
+        recovery.append(recovery_record(after, attempt))
+        point, fault, number = after, None, number + 1
     status = "complete" if ok else "failed"
-    say(f"arm {arm.name}: {status} in {wall:.0f} s" + ("" if ok else f" (exit {rc}); see {log}"))
+    wall = attempt["wall_s"]
+    cost = attempt_cost(attempts, plan_sha, ds_sha)
+    say(f"arm {arm.name}: {status} in {wall:.0f} s" + ("" if ok else f" (exit {attempt['rc']}); see {log}")
+        + (f" after {cost['failed_attempts']} failed attempt(s) of {cost['failed_attempts_s']:.0f} s"
+           if ok and cost["failed_attempts"] else ""))
     tail = [] if ok else log.read_text(errors="replace").splitlines()[-15:]
-    return {**entry, "status": status, "reused": False, "log": str(log), "launcher_wall_s": wall, "rc": rc,
-            "launcher_started_at": started_at, "launcher_ended_at": attempts[-1]["ended_at"], "error_tail": tail}
+    return {**entry, "status": status, "reused": False, "log": str(log), "launcher_wall_s": wall,
+            "rc": attempt["rc"], "launcher_started_at": attempt["started_at"], "launcher_ended_at": attempt["ended_at"],
+            "error_tail": tail, "recovery": recovery, **cost}
 
 
 WARM_UP_TRAIN = {"updates": 1, "global_batch_docs": 2, "microbatch_docs": 1}
 """The warm-up launch trains one update of two documents: enough to pass through every step an arm takes."""
+
+
+def without_fault(text: str) -> str:
+    """The plan text without its study.fault (written again by the plan writer, nshard/cli.py, only if it has one)."""
+    import tomllib
+
+    from nshard.cli import toml_text
+
+    raw = tomllib.loads(text)
+    if "fault" not in raw.get("study", {}):
+        return text
+    del raw["study"]["fault"]
+    return toml_text(raw)
 
 
 def warm_up_hosts(plan: Plan, plan_path: Path, out: Path, hosts: dict) -> dict:
@@ -181,6 +303,7 @@ def warm_up_hosts(plan: Plan, plan_path: Path, out: Path, hosts: dict) -> dict:
         text, n = re.subn(rf"(?m)^{key} = \d+", f"{key} = {value}", text, count=1)
         if n != 1:
             raise StudyError(f"the host warm-up needs a '{key} = N' line in the plan's [train] section")
+    text = without_fault(text)  # the one-update warm-up kills no rank (and its plan could not hold the update)
     warm_plan, run_dir = out / "warm-up.toml", out / "warm-up"
     warm_plan.write_text(text)
     log = out / "logs" / "warm-up.log"
