@@ -415,16 +415,21 @@ def growth_screen(candidate: dict, comparisons: list[dict], cohort_quality: dict
                           "rule": "the continued-dense arm must finish"})
     conds += [c for c in cohort_quality["conditions"] if not c["name"].startswith("new-task accuracy gain")]
     return {"passed": all(c["passed"] for c in conds), "conditions": conds,
-            "first_cohort_paired": cohort_quality.get("first_cohort_paired")}
+            "first_cohort_paired": cohort_quality.get("first_cohort_paired"),
+            "first_cohort_screening": cohort_quality.get("first_cohort_screening")}
 
 
 # ---------------------------------------------------------------- assembling
 
 
-def power_entry(screen: str, n: int, screens: dict) -> dict:
-    """One paired screen's declared power at n cases (analysis/paired.py, declared_power)."""
-    return {"screen": screen, **declared_power(n, screens.get("expected_discordance") or 0.0,
-                                               screens["min_paired_lower_points"], screens["confidence"])}
+def power_entry(screen: str, n: int, screens: dict, control: bool = False) -> dict:
+    """One paired screen's declared power at n cases (analysis/paired.py, declared_power); a comparison against a
+    control takes screens.expected_control_discordance where the plan declares it."""
+    discordance = screens.get("expected_discordance") or 0.0
+    if control and (screens.get("expected_control_discordance") or -1.0) >= 0.0:
+        discordance = screens["expected_control_discordance"]
+    return {"screen": screen, **declared_power(n, discordance, screens["min_paired_lower_points"],
+                                               screens["confidence"])}
 
 
 def declared_powers(sets: dict, screens: dict, controls: list[str]) -> list[dict]:
@@ -437,7 +442,7 @@ def declared_powers(sets: dict, screens: dict, controls: list[str]) -> list[dict
     if cohort and len(cohort.get("first_cohort_eval_case_ids", [])) >= 2:
         out.append(power_entry(FIRST_COHORT_SCREEN, len(cohort["first_cohort_eval_case_ids"]), screens))
     if n_all >= 2:
-        out += [power_entry(f"paired lower bound vs {control}", n_all, screens) for control in controls]
+        out += [power_entry(f"paired lower bound vs {control}", n_all, screens, control=True) for control in controls]
     return out
 
 
@@ -445,7 +450,8 @@ def power_of_comparisons(comparisons: list[dict], first_cohort: dict | None, scr
     out = []
     if first_cohort and first_cohort.get("n"):
         out.append(power_entry(FIRST_COHORT_SCREEN, first_cohort["n"], screens))
-    return out + [power_entry(f"paired lower bound vs {c['control']}", c["n"], screens) for c in comparisons]
+    return out + [power_entry(f"paired lower bound vs {c['control']}", c["n"], screens, control=True)
+                  for c in comparisons]
 
 
 FIRST_COHORT_SCREEN = "first-cohort paired lower bound vs the accepted checkpoint"
@@ -466,9 +472,21 @@ def power_lines(powers: list[dict]) -> list[str]:
 
 def first_cohort_families(study: dict) -> list[str]:
     """The first cohort's families, as the candidate's prepared sets name them."""
+    return list(first_cohort_sets(study).get("first_cohort_families", []))
+
+
+def first_cohort_sets(study: dict) -> dict:
     arm = next(a for a in study["arms"] if a["name"] == study["candidate"])
-    sets = read_json(Path(arm["run_dir"]) / "prepared" / "sets.json")
-    return list(sets.get("cohort", {}).get("first_cohort_families", []))
+    return read_json(Path(arm["run_dir"]) / "prepared" / "sets.json").get("cohort", {})
+
+
+def first_cohort_screening(study: dict) -> dict:
+    """Which first-cohort families the paired screen counted (cohort.screen_min_accuracy), as the sets recorded."""
+    cohort = first_cohort_sets(study)
+    families = cohort.get("first_cohort_families", [])
+    screened = cohort.get("first_cohort_screen_families", families)
+    return {"screened": screened, "not_screened": [f for f in families if f not in screened],
+            "min_accuracy": cohort.get("screen_min_accuracy", 0.0)}
 
 
 def validation_summary(study_dir: Path) -> dict:
@@ -555,6 +573,8 @@ def analyze(study_dir: Path) -> dict:
     if cohort:
         quality = cohort_screen(candidate, case_rows.get(candidate["name"], []), seed_rows,
                                 first_cohort_families(study) if candidate["status"] == "complete" else [], screens)
+        if candidate["status"] == "complete":
+            quality["first_cohort_screening"] = first_cohort_screening(study)
         if study.get("growth"):
             quality = growth_screen(candidate, comparisons, quality, screens, study["growth"])
     else:
@@ -712,7 +732,9 @@ def execution_table(results: dict) -> str:
         (f"Allocated {device} seconds, complete process", lambda a, e: _num(e and e["device_seconds"], "{:,.2f}")),
         ("All ranks, bytes handed to collectives, GB", lambda a, e: _num(e and e["sent_bytes"] / 1e9, "{:,.6f}")),
         ("All hosts, kernel-counted transmitted GB",
-         lambda a, e: _num(None if e["kernel_tx_bytes"] is None else e["kernel_tx_bytes"] / 1e9, "{:,.6f}")),
+         lambda a, e: _num(None if e["kernel_tx_bytes"] is None else e["kernel_tx_bytes"] / 1e9, "{:,.6f}")
+         # the kernel's counters live with the hosts' processes: a resumed arm's cover its last attempt only
+         + (" (last attempt only)" if e["kernel_tx_bytes"] is not None and e.get("recovery") else "")),
         (f"Network cost at ${results['screens_declared']['network_usd_per_gb']}/GB",
          lambda a, e: _num(e and e["network_usd"], "${:,.4f}")),
         ("Median dense update (slowest rank)",
@@ -774,6 +796,15 @@ def _mfu_cell(e: dict) -> str:
             f"{source})")
 
 
+def screening_lines(screening: dict | None) -> list[str]:
+    """A second cohort's note of which first-cohort families its paired screen counted."""
+    if not screening or not screening["not_screened"]:
+        return []
+    return [f"- first-cohort families screened: {', '.join(screening['screened'])}; not screened: "
+            f"{', '.join(screening['not_screened'])} (the accepted candidate answered less than "
+            f"{screening['min_accuracy']:.0%} of them in its own study: cohort.screen_min_accuracy)"]
+
+
 def screen_lines(screen: dict) -> list[str]:
     out = []
     for c in screen["conditions"]:
@@ -803,7 +834,8 @@ def render_report(results: dict) -> str:
     if results.get("source"):
         lines += [f"Source commit: `{results['source']['commit']}` (dirty: {results['source']['dirty']}).", ""]
     lines += ["## Learning", "", learning_table(results), "",
-              f"Quality screen: **{'PASSED' if q['passed'] else 'FAILED'}**", "", *screen_lines(q), ""]
+              f"Quality screen: **{'PASSED' if q['passed'] else 'FAILED'}**", "", *screen_lines(q),
+              *screening_lines(q.get("first_cohort_screening")), ""]
     if results["comparisons"]:
         conf = f"{results['screens_declared']['confidence']:.0%}"
         lines += [f"| Paired comparison | n | discordant | difference, points | {conf} interval, points |",

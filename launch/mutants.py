@@ -84,9 +84,10 @@ MUTANTS = (
              "    codec.apply_(replicas[me], encoded[me])\n    codec.apply_(replicas[me], encoded[me])\n"),),
            ("tests/test_delta_sync.py::test_two_ranks_end_with_bit_identical_replicas_and_send_the_encoded_bytes",)),
     Mutant("resume-other-ranks-errors", "resume loads the next rank's reducer state (its error memory) into this rank",
-           (("nshard/run/state.py", "        self.seam.load_state_dict(part[\"seam\"])\n",
-             "        self.seam.load_state_dict(torch.load(state / f\"rank-{(self.run.rank + 1) % self.run.world}.pt\",\n"
-             "                                             map_location=\"cpu\", weights_only=False)[\"seam\"])\n"),),
+           (("nshard/run/state.py", "            self.seam.load_state_dict(part[\"seam\"])\n            record = None\n",
+             "            self.seam.load_state_dict(torch.load(state / f\"rank-{(self.run.rank + 1) % self.run.world}.pt\",\n"
+             "                                                 map_location=\"cpu\", weights_only=False)[\"seam\"])\n"
+             "            record = None\n"),),
            ("tests/test_resume.py::test_killed_run_resumes_bit_identical",)),
 )
 

@@ -1,7 +1,7 @@
 """Entry point started by the deepspeed launcher (or torchrun, or mpirun): parse, build, run, close.
 
     deepspeed --hostfile hostfile nshard/train.py --ds_config ds_configs/dense.json [--plan P] [--out DIR]
-        [--set SECTION.KEY=VALUE ...] [--overwrite | --resume]
+        [--set SECTION.KEY=VALUE ...] [--overwrite | --resume [--elastic]]
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run directory (--out) from its newest state that verifies")
+    parser.add_argument("--elastic", action="store_true",
+                        help="with --resume: continue a state saved on another world size, its optimizer state "
+                             "repartitioned and its PowerSGD error memory carried over "
+                             "(docs/evidence.md#elastic-resume)")
     parser.add_argument("--no_replay", action="store_true",
                         help="train without replay documents or a first cohort's cases (a no-replay control)")
     parser.add_argument("--grown", type=Path, default=None,
@@ -77,6 +81,8 @@ def main(argv=None) -> int:
             raise ValueError(f"--resume continues {args.out or plan.run_dir()} from its newest state and "
                              "--overwrite would erase it: give the same command without --overwrite (launch/demo.sh "
                              "takes --resume in its place: bash launch/demo.sh ds_configs/powersgd.json --resume)")
+        if args.elastic and not args.resume:
+            raise ValueError("--elastic continues a state on another world size: give it with --resume")
         ds_config = load_ds_config(args.ds_config)
         reducer = reducer_config(ds_config)  # the "nshard" section, parsed once and passed on
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -86,7 +92,8 @@ def main(argv=None) -> int:
             print(f"nshard: wrote {args.resolved_ds_config} (world size {world_size}); trained nothing")
             return 0
         out = Path(args.out) if args.out else plan.run_dir()
-        resume_from = find_resumable(out, plan_path, Path(args.ds_config), world_size) if args.resume else None
+        resume_from = (find_resumable(out, plan_path, Path(args.ds_config), world_size, args.elastic)
+                       if args.resume else None)
         start = find_start(plan, world_size) if plan.cohort.enabled else None  # a second cohort's accepted candidate
         if args.grown is not None:
             if start is None or start.kind != "weights":

@@ -174,7 +174,7 @@ def test_response_tokens_carry_the_weight_and_prompts_none():
     ("first_cohort_share = 1.5", "cohort.first_cohort_share=1.5 must lie in [0, 1]"),
     ("first_cohort_eval_cases_per_family = -1", "cohort.first_cohort_eval_cases_per_family=-1"),
     ("form = 'runs/x'", "unknown plan key cohort.form: known keys are dense_warmup, first_cohort_eval_cases_per_family, "
-                        "first_cohort_share, from, start"),
+                        "first_cohort_share, from, screen_min_accuracy, start"),
 ])
 def test_a_bad_cohort_section_names_the_key(tmp_path, cohort, fragment):
     msg = train_cli(tmp_path, TINY + f"\n[cohort]\n{cohort}\n")

@@ -276,6 +276,26 @@ def test_a_cohort_from_the_state_continues_the_optimizer_and_error_memory_bit_fo
     assert set(sets["cohort"]["first_cohort_replay_ids"]) <= trained
 
 
+def test_a_cohort_from_a_two_rank_state_continues_on_one_rank_by_the_elastic_rule(accepted, tmp_path):
+    """A cohort plan may continue on another world size than its first cohort's: the candidate's two-rank state goes
+    on one rank, its optimizer state loaded whole and its error memory the mean of the two ranks' (the error-feedback
+    total recorded before and after), and the run.json start record names the change."""
+    from runs import launch
+
+    out = tmp_path / "run"
+    launch(out, study_ds_config(accepted), world=1, plan=cohort_plan(tmp_path, accepted))
+    start = json.loads((out / "run.json").read_text())["cohort"]["start"]
+    assert start["kind"] == "state" and start["elastic"]["from_world_size"] == 2
+    assert start["elastic"]["to_world_size"] == 1
+    errors = start["elastic"]["error_memory"]
+    # the fp64 mean rounded once to fp32: at most half an ulp of each element apart (tests/test_elastic.py checks it
+    # element by element)
+    assert errors["max_abs_difference"] <= 1e-6 and "mean of the saved ranks' errors" in errors["rule"]
+    assert errors["before"]["sha256"] != errors["after"]["sha256"] or errors["exact"]
+    receipt = json.loads((out / "receipts/rank-0.json").read_text())
+    assert receipt["world_size"] == 1 and receipt["update_compressed"][0]  # it compresses from its first update
+
+
 def test_a_cohort_from_the_state_runs_a_second_dense_warm_up_only_when_asked(accepted, tmp_path):
     from runs import launch
 

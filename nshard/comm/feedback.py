@@ -110,3 +110,62 @@ class HostErrorMemory(ErrorMemory):
 
 def build_error_memory(place: str) -> ErrorMemory:
     return {"device": DeviceErrorMemory, "host": HostErrorMemory}[place]()
+
+
+ERROR_RULE = ("every new rank's error = the mean of the saved ranks' errors (summed in fp64, stored in fp32); the "
+              "mean over ranks, which the averaging reducer adds to the next update, is conserved: exactly when one "
+              "rank saved the state (every new rank gets a copy of its error), else to one rounding of the fp64 "
+              "mean to fp32, the error memory's precision (at most half a unit in the last place of each element)")
+"""How an elastic resume (nshard/run/elastic.py) carries PowerSGD's error memory from W saved ranks to W' new ones.
+
+Rank r's update sends the compression of M_r = grad_r + e_r, and the reducer averages: what the saved errors still
+owe the model is mean_r e_r. Giving every new rank that mean keeps mean_r' e'_r' equal to it, whatever W'."""
+
+
+def mean_errors(errors_by_rank: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The fp64 mean over ranks of each name's error, one rank's errors at a time (so a caller may load them one by
+    one); ValueError when the ranks hold errors for different names or shapes."""
+    total: dict[str, torch.Tensor] = {}
+    count = 0
+    for count, errors in enumerate(errors_by_rank, start=1):
+        if count > 1 and sorted(errors) != sorted(total):
+            raise ValueError(f"rank {count - 1} holds error memory for {sorted(set(errors) ^ set(total))[:3]} "
+                             "where rank 0 does not (or the reverse): the saved states are not of one run")
+        for name, e in errors.items():
+            wide = e.detach().to("cpu", torch.float64)
+            if name in total:
+                if total[name].shape != wide.shape:
+                    raise ValueError(f"the error memory of {name} has shape {tuple(wide.shape)} on rank {count - 1}, "
+                                     f"{tuple(total[name].shape)} on rank 0")
+                total[name] += wide
+            else:
+                total[name] = wide.clone()
+    return {name: t / count for name, t in total.items()} if count else {}
+
+
+def spread_errors(mean: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The fp32 error every new rank starts from (ERROR_RULE): the fp64 mean, rounded once."""
+    return {name: t.to(torch.float32) for name, t in mean.items()}
+
+
+def conservation_record(before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor]) -> dict:
+    """The error-feedback total before (the fp64 mean over the saved ranks) and after (the fp64 mean over the new
+    ranks of what they hold): their element sums, SHA-256s, the largest difference, and whether they are equal."""
+    if sorted(before) != sorted(after):
+        raise ValueError(f"the error memory after an elastic resume covers {sorted(after)}, before {sorted(before)}")
+    differences = [(after[n].double() - before[n].double()).abs().max().item() for n in before if before[n].numel()]
+    return {"rule": ERROR_RULE, "before": total_record(before), "after": total_record(after),
+            "max_abs_difference": max(differences, default=0.0), "exact": max(differences, default=0.0) == 0.0}
+
+
+def total_record(mean: Mapping[str, torch.Tensor]) -> dict:
+    """One error-feedback total, as the receipts carry it: its sum over every element and its SHA-256 (fp64, by
+    name)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(mean):
+        t = mean[name].detach().to("cpu", torch.float64).contiguous()
+        h.update(f"{name}:{list(t.shape)}\n".encode())
+        h.update(t.reshape(-1).numpy().tobytes())
+    return {"sum": float(sum(t.double().sum().item() for t in mean.values())), "sha256": h.hexdigest()}

@@ -5,7 +5,7 @@ vouches for those files is checked elsewhere: nshard/study/cohort.py (the study)
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from nshard.run.plan import Plan, PlanError, load_plan
@@ -25,6 +25,26 @@ class AcceptedStudy:
     """commitment.json's own hash, as the file states it (nshard.evidence.commit.load_commitment checks it)."""
     first_plan: Plan
     first_eval_case_ids: tuple[str, ...]
+    candidate_per_family: dict = field(default_factory=dict)
+    """The candidate's accuracy per first-cohort family in its own study (results.json), {family: share}."""
+
+    def screened_families(self, min_accuracy: float) -> list[str]:
+        """The first-cohort families a second cohort's paired screen counts: every one the candidate answered at least
+        `min_accuracy` of in its own study (cohort.screen_min_accuracy), in the first plan's order. Refused when
+        none qualifies: the screen would have no cases."""
+        families = list(self.first_plan.data.families)
+        if min_accuracy <= 0.0:
+            return families
+        missing = [f for f in families if f not in self.candidate_per_family]
+        if missing:
+            raise CohortError(f"cohort.screen_min_accuracy={min_accuracy}: {self.study_dir}/results.json holds no "
+                              f"accuracy of the candidate for {missing}; set it to 0 to screen every family")
+        kept = [f for f in families if self.candidate_per_family[f] >= min_accuracy]
+        if not kept:
+            shares = ", ".join(f"{f} {self.candidate_per_family[f]:.1%}" for f in families)
+            raise CohortError(f"cohort.screen_min_accuracy={min_accuracy}: the candidate answered less than that of "
+                              f"every first-cohort family ({shares}); lower it")
+        return kept
 
     @property
     def run_dir(self) -> Path:
@@ -57,8 +77,10 @@ def read_accepted(study_dir: str | Path) -> AcceptedStudy:
         raise CohortError(f"cohort.from: the candidate {candidate!r} has no run directory {run_dir}; the study is "
                           "incomplete")
     sets = read_json(run_dir / "prepared" / "sets.json", "the candidate's prepared inputs are incomplete")
+    arm = next((a for a in results.get("arms", []) if a.get("name") == candidate), {})
+    per_family = {f: b["correct"] / b["cases"] for f, b in (arm.get("per_family") or {}).items() if b.get("cases")}
     return AcceptedStudy(study_dir, str(candidate), str(record.get("record_sha256")), load_plan(run_dir / "plan.toml"),
-                         tuple(sets.get("eval_case_ids", ())))
+                         tuple(sets.get("eval_case_ids", ())), per_family)
 
 
 def start_model_spec(plan: Plan) -> str:

@@ -312,6 +312,8 @@ def first_cohort(plan: Plan, train_cases: list, eval_cases: list, with_replay: b
     sets = {"cohort": {"commitment_sha256": accepted.record_sha256, "candidate": accepted.candidate,
                        "start": plan.cohort.start, "dense_warmup": plan.cohort.dense_warmup,
                        "first_cohort_families": list(accepted.first_plan.data.families),
+                       "first_cohort_screen_families": accepted.screened_families(plan.cohort.screen_min_accuracy),
+                       "screen_min_accuracy": plan.cohort.screen_min_accuracy,
                        "first_cohort_replay_ids": [c.case_id for c in replayed],
                        "first_cohort_eval_case_ids": [c.case_id for c in fresh]}}
     return replayed, fresh, sets
@@ -332,7 +334,7 @@ def first_cohort_cases(plan: Plan, accepted: AcceptedStudy) -> tuple[list, list,
                           "evaluation cases than its prepared/sets.json records; the study's files disagree")
     count = round(plan.cohort.first_cohort_share * len(train))
     chosen = set(stable_order([c.case_id for c in train], "first-cohort replay", plan.data.seed)[:count])
-    fresh = [c for f in first.families for c in
+    fresh = [c for f in accepted.screened_families(plan.cohort.screen_min_accuracy) for c in
              tasks.make_cases(f, plan.data.eval_seed, 0, plan.cohort.first_cohort_eval_cases_per_family)]
     return ([c for c in train if c.case_id in chosen], [c for c in train if c.case_id not in chosen], evaluation,
             fresh)

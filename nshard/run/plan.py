@@ -143,6 +143,10 @@ class ScreensSection:
     expected to answer differently, from development seeds (0: not declared). The study prints, before scoring, the
     probability that a candidate equal to its control passes each paired screen at its number of cases, and warns
     below 80% with the number of cases that would reach 90% (analysis/paired.py, declared_power)."""
+    expected_control_discordance: float = -1.0
+    """The same for the paired comparisons against the study's controls, where they differ from the screen's own
+    (a second cohort: the first-cohort screen against the accepted checkpoint, expected_discordance; the candidate
+    against its no-replay control over every fresh case, this). Negative (the default): expected_discordance."""
 
     def __post_init__(self):
         if not 0.5 < self.confidence < 1.0:
@@ -151,6 +155,10 @@ class ScreensSection:
         if not 0.0 <= self.expected_discordance < 1.0:
             raise PlanError(f"screens.expected_discordance={self.expected_discordance} must lie in [0, 1): the "
                             "fraction of cases a candidate and its control answer differently (0: not declared)")
+        if not self.expected_control_discordance < 1.0:
+            raise PlanError(f"screens.expected_control_discordance={self.expected_control_discordance} must lie below "
+                            "1: the fraction of cases the candidate and a control answer differently (leave it out "
+                            "to use screens.expected_discordance)")
 
 
 @dataclass(frozen=True)
@@ -337,7 +345,12 @@ class CohortSection:
     first_cohort_share: float = 0.5
     """Share of the first cohort's training documents mixed into this cohort's training (0 to 1)."""
     first_cohort_eval_cases_per_family: int = 8
-    """Fresh cases (from data.eval_seed) of each first-cohort family, scored against the accepted checkpoint."""
+    """Fresh cases (from data.eval_seed) of each screened first-cohort family, scored against the accepted checkpoint."""
+    screen_min_accuracy: float = 0.0
+    """Which first-cohort families the paired screen counts: those the accepted candidate answered at least this
+    share of in its own study (its results.json, per family); 0 counts every family. A family the candidate never
+    answers adds only concordant pairs (both wrong), which widen n without measuring anything, so the screen's
+    margin would then be spent on cases that cannot move (docs/study.md#a-second-cohort)."""
 
     def __post_init__(self):
         if self.start not in ("state", "weights"):
@@ -350,6 +363,10 @@ class CohortSection:
             raise PlanError(f"cohort.first_cohort_share={self.first_cohort_share} must lie in [0, 1] (a share of the "
                             "first cohort's training documents), e.g. 0.5")
         _non_negative("cohort.first_cohort_eval_cases_per_family", self.first_cohort_eval_cases_per_family)
+        if not 0.0 <= self.screen_min_accuracy < 1.0:
+            raise PlanError(f"cohort.screen_min_accuracy={self.screen_min_accuracy} must lie in [0, 1): the share of "
+                            "a first-cohort family's cases the accepted candidate answered in its own study for the "
+                            "family to be screened, e.g. 0.05; 0 screens every family")
 
     @property
     def enabled(self) -> bool:

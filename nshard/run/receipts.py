@@ -122,6 +122,9 @@ class Receipt:
     state_saves: list[dict] = field(default_factory=list)
     resumed_from: list[int] = field(default_factory=list)
     """The update each --resume continued from (empty: one uninterrupted process)."""
+    elastic: list[dict] = field(default_factory=list)
+    """Each resume onto another world size (nshard/run/elastic.py): the world sizes, ZeRO stage, the rule applied to
+    the error memory and the error-feedback total before and after, the gathered optimizer state's SHA-256."""
     where_and_link: dict = field(default_factory=dict)  # host, net_namespace, link byte counts (nshard/run/netcount.py)
     update_peak_allocated_bytes: list[int] = field(default_factory=list)
     update_peak_reserved_bytes: list[int] = field(default_factory=list)
@@ -238,6 +241,7 @@ class Receipt:
             "state_saves": self.state_saves,
             "resumed_from_update": self.resumed_from[-1] if self.resumed_from else None,
             "resumed_from_updates": self.resumed_from,
+            "elastic": self.elastic,
             "parameter_root": root,
             **peak_memory_bytes(self.gpu_phases),
             "update_peak_allocated_bytes": self.update_peak_allocated_bytes,

@@ -6,21 +6,25 @@ bit for bit, that the engine and the reducer hold what the state's files hold.""
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from nshard.evidence.commit import CommitError, check_committed_as, load_commitment, model_files
 from nshard.evidence.export import GROWN, MANIFEST, ManifestError, verify_manifest
 from nshard.files import file_sha256
+from nshard.run import elastic
 from nshard.run import state as state_mod
 from nshard.run.cohort import CohortError, read_accepted, read_json
 from nshard.run.plan import Plan
 from nshard.run.ranks import RunError, all_ranks
 from nshard.run.receipts import parameter_root
 from nshard.seam import engine as engine_mod
+from nshard.seam import patches
 from nshard.seam.engine import full_parameters
 
 
@@ -41,12 +45,15 @@ class StartPoint:
 def find_start(plan: Plan, world_size: int) -> StartPoint:
     """The accepted study's candidate, refused (CohortError) unless the study's results say its quality screen
     passed under its commitment, its export matches the record and its manifest, and (start = "state") its newest
-    complete state verifies, holds the committed weights and was saved by `world_size` ranks."""
+    complete state verifies and holds the committed weights. A state saved by another number of ranks than
+    `world_size` continues elastically (nshard/run/elastic.py; the provenance names both sizes)."""
     model_dir, provenance = accepted_export(plan.cohort.from_study)
     state = (find_state(read_accepted(plan.cohort.from_study).run_dir, provenance["parameter_root"], world_size)
              if plan.cohort.start == "state" else None)
+    saved_world = state_mod.read_manifest(state)["world_size"] if state else None
     return StartPoint(plan.cohort.start, model_dir, state, plan.cohort.dense_warmup,
-                      {**provenance, "state": state.name if state else None})
+                      {**provenance, "state": state.name if state else None, "state_world_size": saved_world,
+                       "elastic": None not in (saved_world, world_size) and saved_world != world_size})
 
 
 def grown_start(point: StartPoint, grown_dir) -> StartPoint:
@@ -138,11 +145,7 @@ def find_state(run_dir: Path, committed_root: str, world_size: int) -> Path:
     if manifest["parameter_root"] != committed_root:
         raise CohortError(f"cohort.start = \"state\": {state} holds parameter root {manifest['parameter_root'][:16]}, "
                           f"not the committed candidate's {committed_root[:16]}; it is not the accepted state")
-    if manifest["world_size"] != world_size:
-        raise CohortError(f"cohort.start = \"state\": {state} was saved by {manifest['world_size']} ranks; this run "
-                          f"has {world_size}: every rank continues its own error memory, so train on "
-                          f"{manifest['world_size']} ranks or use cohort.start = \"weights\"")
-    return state
+    return state  # saved by another number of ranks than world_size: restore continues it elastically
 
 
 class StartError(RunError):
@@ -178,20 +181,31 @@ def reducer_part(seam_state: dict) -> dict:
     return {} if reducer is None else {k: v for k, v in reducer.items() if k != "ledger"}
 
 
-def restore(engine, seam, point: StartPoint, rank: int) -> dict:
+def restore(engine, seam, point: StartPoint, rank: int, out: Path | None = None) -> dict:
     """Load the start point's complete state into the built engine and seam; returns the start record.
 
     Optimizer settings (learning rate, betas, weight decay) and the learning-rate schedule stay this run's; the
-    moments, the error memory, P/Q and the projection RNG are the state's. Every rank checks the loaded weights
-    against the committed parameter root, and its optimizer and reducer state against the files, bit for bit."""
+    moments, the error memory, P/Q and the projection RNG are the state's. A state saved by another number of
+    ranks is loaded elastically (nshard/run/elastic.py: DeepSpeed repartitions the optimizer state, through a
+    scratch directory under this run's directory `out`; every rank starts from the mean error memory). Every rank
+    checks the loaded weights against the committed parameter root, and its optimizer and reducer state against
+    the files (or what the elastic rule made of them), bit for bit."""
     settings = [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups]
+    saved_world, world = state_mod.read_manifest(point.state)["world_size"], dist.get_world_size()
+    before = None
     try:
-        client = engine_mod.load_checkpoint(engine, point.state, scheduler=False)
-    except RuntimeError as exc:
-        raise StartError(str(exc)) from None
+        if saved_world != world:
+            scratch = Path(out or tempfile.gettempdir()) / "state" / f"{elastic.SCRATCH_PREFIX}start-{point.state.name}"
+            client, part, before = elastic.load(engine, point.state, saved_world, rank, scratch, rank == 0,
+                                                bool(patches.DELTA_SYNC["codec"]), scheduler=False)
+            saved = part["seam"]
+        else:
+            client = engine_mod.load_checkpoint(engine, point.state, scheduler=False)
+            saved = torch.load(point.state / f"rank-{rank}.pt", map_location="cpu", weights_only=False)["seam"]
+    except (RuntimeError, ValueError) as exc:
+        raise StartError(f"{point.state} (saved by {saved_world} ranks, continued on {world}): {exc}") from None
     for group, kept in zip(engine.optimizer.param_groups, settings):
         group.update(kept)
-    saved = torch.load(point.state / f"rank-{rank}.pt", map_location="cpu", weights_only=False)["seam"]
     fresh = seam.state_dict()
     if _keys(saved) != _keys(fresh):
         raise StartError(f"{point.state}: the state's gradient reduction (keys {_keys(saved) or 'DeepSpeed'}) is not "
@@ -201,8 +215,10 @@ def restore(engine, seam, point: StartPoint, rank: int) -> dict:
     if kept:  # the fresh reducer's empty ledger; updates 0 runs the ds_config's dense warm-up again
         seam.load_state_dict({"reducer": {**kept, "ledger": fresh["reducer"]["ledger"],
                                           "updates": 0 if point.dense_warmup else kept["updates"]}})
-    return {"kind": "state", "state": point.state.name, "dense_warmup": point.dense_warmup,
-            **check_loaded(engine, seam, point, client, kept)}
+    checks = check_loaded(engine, seam, point, client, kept)
+    moved = elastic.finish(engine, seam, saved_world, world, before) if saved_world != world else None
+    return {"kind": "state", "state": point.state.name, "dense_warmup": point.dense_warmup, **checks,
+            "elastic": moved}
 
 
 def check_loaded(engine, seam, point: StartPoint, client: dict, saved_reducer: dict) -> dict:

@@ -11,7 +11,8 @@ the data position, saved atomically and sealed by a manifest of SHA-256s; found 
 A state is written under state/.tmp-update-000012/ and renamed into place only once sealed, so a crash
 in the middle of a save leaves the previous complete state the newest. --resume continues from the newest
 state that verifies; newer ones without their manifest or whose files do not match it are passed over,
-named, and set aside once the chosen state has passed every check.
+named, and set aside once the chosen state has passed every check. A state saved on another world size is
+refused unless --elastic, which repartitions it (nshard/run/elastic.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from nshard.seam import engine as engine_mod
-from nshard.run import fault
+from nshard.run import elastic, fault
 from nshard.comm.agree import shapes_sha256
 from nshard.files import file_sha256, first_difference, write_json_atomic
 from nshard.run.ranks import RunError, all_ranks, on_main_rank
@@ -65,9 +66,15 @@ class ResumePoint:
     update: int
     skipped: tuple[dict, ...] = ()
     """{"state": name, "why": what is damaged}, newest first."""
+    saved_world: int | None = None
+    """The world size the state was saved on, where it differs from this run's (an elastic resume); else None."""
+    world: int | None = None
 
     def record(self) -> dict:
-        return {"state": self.state.name, "update": self.update, "skipped": [dict(s) for s in self.skipped]}
+        elastic_sizes = None if self.saved_world is None else {"from_world_size": self.saved_world,
+                                                               "to_world_size": self.world}
+        return {"state": self.state.name, "update": self.update, "skipped": [dict(s) for s in self.skipped],
+                "elastic": elastic_sizes}
 
 
 def state_name(update: int) -> str:
@@ -144,14 +151,21 @@ def damage(state: Path) -> str | None:
 
 def check_fields(state: Path, manifest: dict, current: dict, fields: dict) -> None:
     for key, what in fields.items():
+        if key == "world_size" and manifest.get(key) != current[key]:
+            raise StateError(f"--resume: {state} was made with another world size ({manifest.get(key)} there, "
+                             f"{current[key]} now); resume on {manifest.get(key)} ranks, or add --elastic to "
+                             f"continue on {current[key]} with its optimizer state repartitioned "
+                             "(docs/evidence.md#elastic-resume)")
         if manifest.get(key) != current[key]:
             raise StateError(f"--resume: {state} was made with another {what} ({manifest.get(key)} there, "
                              f"{current[key]} now); resume with the run's own inputs, or start a new run")
 
 
-def find_resumable(out: Path, plan_path: Path, ds_config_path: Path, world_size: int) -> ResumePoint:
+def find_resumable(out: Path, plan_path: Path, ds_config_path: Path, world_size: int,
+                   elastic_resume: bool = False) -> ResumePoint:
     """The newest state of run directory `out` that verifies, checked against this command line and metrics.jsonl;
-    newer, damaged states are passed over and named in the ResumePoint.
+    newer, damaged states are passed over and named in the ResumePoint. A state of another world size is refused
+    unless `elastic_resume` (--elastic): then StateKeeper.restore repartitions it (nshard/run/elastic.py).
 
     Runs in every process before any process group exists and writes nothing, so a refusal is one clear error
     line and leaves the run directory as it was.
@@ -165,9 +179,12 @@ def find_resumable(out: Path, plan_path: Path, ds_config_path: Path, world_size:
             manifest = read_manifest(state)
             current = {"plan_sha256": file_sha256(plan_path), "ds_config_sha256": file_sha256(ds_config_path),
                        "world_size": world_size}
-            check_fields(state, manifest, current, EARLY_FIELDS)
+            fields = {k: v for k, v in EARLY_FIELDS.items() if not (elastic_resume and k == "world_size")}
+            check_fields(state, manifest, current, fields)
             check_metrics(out, state, manifest["update"])
-            return ResumePoint(state, manifest["update"], tuple(skipped))
+            moved = manifest.get("world_size") != world_size
+            return ResumePoint(state, manifest["update"], tuple(skipped),
+                               manifest["world_size"] if moved else None, world_size if moved else None)
         skipped.append({"state": state.name, "why": why})
     if not skipped:
         raise StateError(f"--resume: {out}/state holds no complete state; rerun without --resume (and with --overwrite)")
@@ -337,11 +354,18 @@ class StateKeeper:
         state = point.state
         manifest = read_manifest(state)
         check_fields(state, manifest, self.identity, LATE_FIELDS)
-        engine_mod.load_checkpoint(self.engine, state)
-        part = torch.load(state / f"rank-{self.run.rank}.pt", map_location="cpu", weights_only=False)
-        self.check_loaded(state, manifest, part["next_update"])
-        self.seam.load_state_dict(part["seam"])
+        if point.saved_world is not None:
+            part, record = self.restore_elastic(point, manifest)
+        else:
+            engine_mod.load_checkpoint(self.engine, state)
+            part = torch.load(state / f"rank-{self.run.rank}.pt", map_location="cpu", weights_only=False)
+            self.check_loaded(state, manifest, part["next_update"])
+            self.seam.load_state_dict(part["seam"])
+            record = None
         receipt = Receipt.from_state_dict(part["receipt"])
+        if record is not None:  # this rank continues saved rank (rank mod W)'s counters, as a rank of this run
+            receipt.rank, receipt.world_size = self.run.rank, self.run.world
+            receipt.elastic.append({"update": part["next_update"], **record})
         # The save that made this state ended after its rank parts were written: its record comes from the seal.
         receipt.state_saves.append({"update": manifest["update"], "seconds": manifest["seal_s"], "bytes": manifest["bytes"]})
         receipt.state_s += manifest["seal_s"]
@@ -349,6 +373,24 @@ class StateKeeper:
         set_rng_states(part["rng"])  # last: nothing between here and the next update may draw
         self.last_saved = part["next_update"]
         return part["next_update"], receipt
+
+    def restore_elastic(self, point: ResumePoint, manifest: dict) -> tuple[dict, dict]:
+        """--resume --elastic: the state, saved by point.saved_world ranks, loaded on this run's world size
+        (nshard/run/elastic.py: optimizer state repartitioned by DeepSpeed, error memory by feedback.ERROR_RULE);
+        returns this rank's carried-over part and the elastic record. Refused (StateError) on every rank, naming
+        what cannot be repartitioned, before anything is loaded."""
+        run, state = self.run, point.state
+        scratch = run.out / "state" / f"{elastic.SCRATCH_PREFIX}{state.name}"
+        delta = run.reducer is not None and run.reducer.parameter_sync == "delta"
+        try:
+            _, part, before = elastic.load(self.engine, state, point.saved_world, run.rank, scratch, run.is_main,
+                                           delta)
+        except ValueError as exc:
+            raise StateError(f"--resume --elastic: {state} was saved by {point.saved_world} ranks and cannot "
+                             f"continue on {run.world}: {exc}") from None
+        self.check_loaded(state, manifest, part["next_update"])
+        self.seam.load_state_dict(part["seam"])
+        return part, elastic.finish(self.engine, self.seam, point.saved_world, run.world, before)
 
     def check_loaded(self, state: Path, manifest: dict, next_update: int) -> None:
         """Every rank's loaded weights hash to the parameter root recorded at the save, and its part continues at

@@ -390,7 +390,7 @@ def first_start(run: Run) -> dict | None:
 def start_cohort(run: Run, engine, seam) -> dict:
     """A second cohort's first update continues the accepted candidate: its complete state is loaded (start =
     "state") or its export was (start = "weights"); either way checked on every rank before training."""
-    record = (restore(engine, seam, run.start, run.rank) if run.start.kind == "state"
+    record = (restore(engine, seam, run.start, run.rank, run.out) if run.start.kind == "state"
               else weights_record(engine, run.start))
     if run.is_main:
         print(f"nshard: second cohort from {run.start.provenance['candidate']} of {run.start.provenance['study']} "

@@ -5,9 +5,12 @@ The ds_config rules are nshard/seam/ds_config.py; every private touch point is n
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
+import io
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -257,3 +260,80 @@ def install_reducer(engine, config: ReducerConfig | None):
                           sum_every_microbatch_into_error=
                           config.reducer == "powersgd" and config.microbatch_sums == "error")
     return InPlaceSeam(engine, reducer, config.reducer)
+
+
+# ---- elastic resume (nshard/run/elastic.py): DeepSpeed's universal checkpoint and full optimizer state ----
+
+def load_checkpoint_resharded(engine, state: Path, scratch: Path, is_main: bool, scheduler: bool = True) -> dict:
+    """An elastic resume's load (nshard/run/elastic.py): DeepSpeed's checkpoint in <state>/deepspeed/, saved on another
+    world size, loaded into this engine: as it
+    is at stage 0; at ZeRO-1/2 through DeepSpeed's universal checkpoint, which rank 0 converts into `scratch`
+    (removed once every rank has loaded it). Returns DeepSpeed's client state."""
+    import torch.distributed as dist
+
+    if zero_stage(engine) == 0:
+        return load_checkpoint(engine, state, scheduler=scheduler)
+    error = None
+    if is_main:
+        try:
+            scratch.mkdir(parents=True, exist_ok=True)
+            to_universal(state / DS_CHECKPOINT_TAG, scratch / "universal")
+        except Exception as exc:  # DeepSpeed's converter asserts; every rank reports it below
+            error = f"{type(exc).__name__}: {exc}"
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    try:
+        if errors[0]:
+            raise ValueError(f"DeepSpeed's universal checkpoint conversion of its ZeRO partitions failed: {errors[0]}")
+        config = engine._config  # checkpoint.load_universal, for this one load
+        saved_flag = config.load_universal_checkpoint
+        config.load_universal_checkpoint = True
+        try:
+            path, client = engine.load_checkpoint(str(scratch), tag="universal", load_module_strict=True,
+                                                  load_optimizer_states=True, load_lr_scheduler_states=scheduler)
+        finally:
+            config.load_universal_checkpoint = saved_flag
+        if path is None:
+            raise ValueError(f"DeepSpeed found no universal checkpoint in {scratch}")
+        return client
+    finally:
+        dist.barrier()
+        if is_main:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def to_universal(source: Path, dest: Path) -> None:
+    """DeepSpeed's ds_to_universal, in this process (one worker: no child processes), its progress lines muted."""
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    shutil.rmtree(dest, ignore_errors=True)
+    args = argparse.Namespace(input_folder=str(source), output_folder=str(dest), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True,
+                              # nshard's engines do not write universal_checkpoint_info; the converter adds its default
+                              inject_missing_state=True)
+    with contextlib.redirect_stdout(io.StringIO()):
+        ds_to_universal(args)
+
+
+def full_optimizer_state(engine) -> dict:
+    """Every trained parameter's fp32 master and AdamW moments, whole (gathered from the ZeRO partitions: a
+    collective at stages 1 and 2), by name; what the elastic record's optimizer_state_sha256 hashes."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out = {}
+    stage = zero_stage(engine)
+    wrapper = engine.optimizer
+    masters = ({id(lp): hp for lps, hps in zip(wrapper.fp16_groups, wrapper.fp32_groups) for lp, hp in zip(lps, hps)}
+               if stage == 0 and wrapper is not engine.basic_optimizer else {})  # a WHOLE_WRAPPERS one's fp32 copies
+    for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            continue
+        if stage == 0:
+            master = masters.get(id(p), p)
+            held = engine.basic_optimizer.state.get(master, {})
+            out[name] = {"fp32": master.detach().float().cpu(),
+                         **{k: held[k].detach().cpu() for k in ("exp_avg", "exp_avg_sq") if k in held}}
+        else:
+            out[name] = {"fp32": safe_get_full_fp32_param(p).detach().cpu(),
+                         **{k: safe_get_full_optimizer_state(p, k).detach().cpu() for k in ("exp_avg", "exp_avg_sq")}}
+    return out

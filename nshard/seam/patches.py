@@ -39,8 +39,9 @@ ENGINE_API = ("module", "optimizer", "basic_optimizer", "device", "backward", "s
 # What every DeepSpeed optimizer wrapper shares with torch.optim.Optimizer and nshard reads.
 OPTIMIZER_API = ("param_groups",)
 # Private: the stage-0 all-reduce switch, zero_grad, which nshard replaces at stage 0 in fp32, and the reduction
-# epilogue of DeepSpeed's own backward, which nshard times (time_deepspeed_reduction).
-PRIVATE_ENGINE_ATTRS = ("enable_backward_allreduce", "zero_grad", "allreduce_gradients")
+# epilogue of DeepSpeed's own backward, which nshard times (time_deepspeed_reduction); _config, whose
+# load_universal_checkpoint an elastic resume sets for its one load (engine.load_checkpoint_resharded).
+PRIVATE_ENGINE_ATTRS = ("enable_backward_allreduce", "zero_grad", "allreduce_gradients", "_config")
 # ZeRO-1/2's reduction, which an nshard reducer silences (allreduce_bucket's stand-in uses flatten).
 PRIVATE_ZERO_ATTRS = ("gradient_reduction_w_predivide", "allreduce_bucket", "reduce_scatter", "overlap_comm", "flatten")
 # ZeRO-1/2's owned gradient partition, which the ingest seam's ZeroPartitionWriter fills directly.

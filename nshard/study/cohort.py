@@ -24,16 +24,20 @@ from nshard.run.plan import CohortSection, Plan, PlanError
 
 def accept(plan: Plan, ranks: tuple[int, ...] = (), validate_results: bool = True) -> dict:
     """The acceptance record of plan.cohort.from_study, or CohortError naming why it cannot be continued from.
-    `ranks`: the rank counts of the arms that will start from it (start = "state" needs the state's)."""
+    `ranks`: the rank counts of the arms that will start from it; an arm on another rank count than the state's
+    (start = "state") continues it elastically (nshard/run/elastic.py), and the record names those counts."""
     from nshard.run.start import find_start
 
-    point = [find_start(plan, n) for n in sorted(set(ranks)) or [None]][0]
+    points = {n: find_start(plan, n) for n in sorted(set(ranks)) or [None]}
+    point = next(iter(points.values()))
     study = Path(point.provenance["study"])
     if validate_results:
         check_results(study)
     prov = point.provenance
     return {"kind": "nshard-cohort-start", "study": str(study), "start": point.kind,
             "dense_warmup": point.dense_warmup, "state": prov["state"],
+            "state_world_size": prov["state_world_size"],
+            "elastic_ranks": sorted(n for n, p in points.items() if p.provenance["elastic"]),
             "first_seed_files_sha256": files_sha256(prov["seed_files"]),
             "first_commitment_sha256": prov["commitment_sha256"],
             "first_commitment_json_sha256": file_sha256(study / "commitment.json"),
@@ -89,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                             epilog="Writes nothing: prints the acceptance record. " + SPELLING_NOTE)
     parser.add_argument("study_dir", type=Path, help="a finished study directory (python -m nshard.study --out)")
     parser.add_argument("--start", default="state", choices=("state", "weights"))
-    parser.add_argument("--ranks", type=int, default=2, help="ranks that continue its state (start = state)")
+    parser.add_argument("--ranks", type=int, default=2,
+                        help="ranks that continue its state (start = state); another count than the state's "
+                             "continues it elastically")
     return parser
 
 
