@@ -186,7 +186,11 @@ def test_an_accepted_study_is_accepted_with_its_provenance(accepted):
     assert record["candidate"] == "powersgd" and record["candidate_parameter_root"] == candidate["parameter_root"]
     assert record["candidate_files"] == candidate["files"] == model_files(accepted / "arms/powersgd/model")
     assert record["state"] == "update-000003"
-    assert cohort_cli(accepted, "--ranks", "1").returncode == 2  # its error memory belongs to two ranks
+    assert record["state_world_size"] == 2 and record["elastic_ranks"] == []
+    # an arm on one rank continues the two-rank state by the elastic rule, and the record says so
+    one = cohort_cli(accepted, "--ranks", "1")
+    assert one.returncode == 0, one.stderr
+    assert json.loads(one.stdout)["state_world_size"] == 2 and json.loads(one.stdout)["elastic_ranks"] == [1]
 
 
 def edited_copy(accepted: Path, tmp_path: Path, edit) -> Path:
