@@ -470,22 +470,14 @@ def power_lines(powers: list[dict]) -> list[str]:
     return lines
 
 
-def first_cohort_families(study: dict) -> list[str]:
-    """The first cohort's families, as the candidate's prepared sets name them."""
-    return list(first_cohort_sets(study).get("first_cohort_families", []))
-
-
-def first_cohort_sets(study: dict) -> dict:
-    arm = next(a for a in study["arms"] if a["name"] == study["candidate"])
-    return read_json(Path(arm["run_dir"]) / "prepared" / "sets.json").get("cohort", {})
-
-
 def first_cohort_screening(study: dict) -> dict:
-    """Which first-cohort families the paired screen counted (cohort.screen_min_accuracy), as the sets recorded."""
-    cohort = first_cohort_sets(study)
-    families = cohort.get("first_cohort_families", [])
+    """The first cohort's families, as the candidate's prepared sets name them, and which of them the paired screen
+    counted (cohort.screen_min_accuracy)."""
+    arm = next(a for a in study["arms"] if a["name"] == study["candidate"])
+    cohort = read_json(Path(arm["run_dir"]) / "prepared" / "sets.json").get("cohort", {})
+    families = list(cohort.get("first_cohort_families", []))
     screened = cohort.get("first_cohort_screen_families", families)
-    return {"screened": screened, "not_screened": [f for f in families if f not in screened],
+    return {"families": families, "screened": screened, "not_screened": [f for f in families if f not in screened],
             "min_accuracy": cohort.get("screen_min_accuracy", 0.0)}
 
 
@@ -571,10 +563,11 @@ def analyze(study_dir: Path) -> dict:
     cohort = study.get("cohort")
     provenance = check_provenance(study_dir, study, commitment) if cohort else None
     if cohort:
+        screening = first_cohort_screening(study) if candidate["status"] == "complete" else None
         quality = cohort_screen(candidate, case_rows.get(candidate["name"], []), seed_rows,
-                                first_cohort_families(study) if candidate["status"] == "complete" else [], screens)
-        if candidate["status"] == "complete":
-            quality["first_cohort_screening"] = first_cohort_screening(study)
+                                screening["families"] if screening else [], screens)
+        if screening:
+            quality["first_cohort_screening"] = screening
         if study.get("growth"):
             quality = growth_screen(candidate, comparisons, quality, screens, study["growth"])
     else:

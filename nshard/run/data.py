@@ -300,7 +300,8 @@ def first_cohort(plan: Plan, train_cases: list, eval_cases: list, with_replay: b
     """The first cohort's cases a second cohort replays and evaluates, and its sets entry. Every role's cases are
     checked apart (ids and prompts): no first-cohort evaluation case, nor a case this cohort evaluates, is trained."""
     accepted = read_accepted(plan.cohort.from_study)
-    replayed, kept_out, first_eval, fresh = first_cohort_cases(plan, accepted)
+    screened = accepted.screened_families(plan.cohort.screen_min_accuracy)
+    replayed, kept_out, first_eval, fresh = first_cohort_cases(plan, accepted, screened)
     if not with_replay:
         replayed, kept_out = [], replayed + kept_out
     try:
@@ -312,15 +313,15 @@ def first_cohort(plan: Plan, train_cases: list, eval_cases: list, with_replay: b
     sets = {"cohort": {"commitment_sha256": accepted.record_sha256, "candidate": accepted.candidate,
                        "start": plan.cohort.start, "dense_warmup": plan.cohort.dense_warmup,
                        "first_cohort_families": list(accepted.first_plan.data.families),
-                       "first_cohort_screen_families": accepted.screened_families(plan.cohort.screen_min_accuracy),
+                       "first_cohort_screen_families": screened,
                        "screen_min_accuracy": plan.cohort.screen_min_accuracy,
                        "first_cohort_replay_ids": [c.case_id for c in replayed],
                        "first_cohort_eval_case_ids": [c.case_id for c in fresh]}}
     return replayed, fresh, sets
 
 
-def first_cohort_cases(plan: Plan, accepted: AcceptedStudy) -> tuple[list, list, list, list]:
-    """(replayed, not replayed, first evaluation, fresh first-family evaluation) cases. The first cohort's cases are
+def first_cohort_cases(plan: Plan, accepted: AcceptedStudy, screened: list[str]) -> tuple[list, list, list, list]:
+    """(replayed, not replayed, first evaluation, fresh evaluation of the `screened` first-cohort families) cases. The first cohort's cases are
     rebuilt from its plan and must be the ones its run recorded; the replayed share is a seed-ordered choice."""
     first = accepted.first_plan.data
     taught = sorted(set(plan.data.families) & set(first.families))
@@ -334,7 +335,7 @@ def first_cohort_cases(plan: Plan, accepted: AcceptedStudy) -> tuple[list, list,
                           "evaluation cases than its prepared/sets.json records; the study's files disagree")
     count = round(plan.cohort.first_cohort_share * len(train))
     chosen = set(stable_order([c.case_id for c in train], "first-cohort replay", plan.data.seed)[:count])
-    fresh = [c for f in accepted.screened_families(plan.cohort.screen_min_accuracy) for c in
+    fresh = [c for f in screened for c in
              tasks.make_cases(f, plan.data.eval_seed, 0, plan.cohort.first_cohort_eval_cases_per_family)]
     return ([c for c in train if c.case_id in chosen], [c for c in train if c.case_id not in chosen], evaluation,
             fresh)
