@@ -20,14 +20,17 @@ L the largest tensor, w bytes per module weight):
   only the owned partition (4P/N), written by nshard/seam/ingest.py's ZeroPartitionWriter; no bucket.
 - accumulators: the ingest seam's fp32 microbatch sums (nshard/seam/ingest.py IngestSeam): 4P when an update has
   several microbatches (microbatch_sums "exact"), 4D when the compressed matrices are summed straight into
-  their error memory (one microbatch per update, or microbatch_sums "error").
+  their error memory (one microbatch per update, or microbatch_sums "error"); always 4P under
+  nshard.overlap_backward.
 - error: PowerSGD's fp32 error memory, one (n, m) matrix per compressed parameter (4C).
 - pq: the flat P and Q buffers, r(n+m) floats per compressed matrix.
 - optimizer: AdamW exp_avg + exp_avg_sq (8P; 8P/N under ZeRO-1/2).
 - master: fp32 master weights (ZeRO's single_partition_of_fp32_groups, 4P/N; 0 at stage 0 fp32; 4P at stage 0
   bf16, where torch's AdamW gets DeepSpeed's FP16_UnfusedOptimizer in bf16 mode: whole fp32 masters).
 - comm: flat buffers that exist only while reducing (stage-0 bucket 4*min(P, 5e8); a dense flat
-  all-reduce of the reducer's remainder, 4D; 4P when a dense warm-up update runs with state allocated).
+  all-reduce of the reducer's remainder, 4D; 4P when a dense warm-up update runs with state allocated). Under
+  nshard.overlap_backward the buckets' flat buffers (4P for a dense update; 4D and a copy of P for a compressed one)
+  are alive in the backward phase too, beside the activations.
 - transient: the ingest seam's one gradient at a time (a parameter hook sums each into its accumulator as
   autograd produces it; the heap keeps the largest, w*L), one matrix's output while it is written into
   ZeRO's partition (4L), AdamW's temporaries (two pieces: 8*min(2^18, the tensor); on a GPU the foreach
@@ -107,11 +110,13 @@ class Config:
     delta_bits: int = 0  # nshard.parameter_sync = "delta": its delta_bits; 0: dense parameter sync
     delta_block: int = 256
     device: str = "cpu"  # "cpu" or "cuda": the delta codec's chunk size
+    overlap_backward: bool = False  # nshard.overlap_backward: the reduction starts during the last backward
 
     @property
     def sums_in_error(self) -> bool:
-        """The ingest seam adds the compressed matrices' gradients straight into their error memory."""
-        return (self.reducer == "powersgd" and self.error_place == "device"
+        """The ingest seam adds the compressed matrices' gradients straight into their error memory (never under
+        overlap_backward, which always sums into fp32 buffers)."""
+        return (self.reducer == "powersgd" and self.error_place == "device" and not self.overlap_backward
                 and (self.microbatches == 1 or self.microbatch_sums == "error"))
 
     @property
@@ -119,6 +124,7 @@ class Config:
         extra = "-bf16" if self.bf16 else ""
         extra += "-host" if self.reducer == "powersgd" and self.error_place == "host" else ""
         extra += "-sums" if self.reducer == "powersgd" and (self.stage or self.bf16) and not self.sums_in_error else ""
+        extra += "-overlap" if self.overlap_backward else ""
         return f"s{self.stage}-{self.reducer}{extra}"
 
 
@@ -129,9 +135,8 @@ def numel(shape) -> int:
     return n
 
 
-def compression(shapes: Shapes, rank: int, rate: float) -> tuple[int, int]:
-    """(C, PQ): elements in compressed matrices and in their P and Q (nshard/comm/layout.py's rule)."""
-    compressed = pq = 0
+def compressed_matrices(shapes: Shapes, rank: int, rate: float):
+    """(count, n, m, r) of each compressed parameter (nshard/comm/layout.py's rule): `count` (n, m) matrices of rank r."""
     for name, shape in shapes.shapes.items():
         if len(shape) < 2 or numel(shape) == 0:
             continue
@@ -141,8 +146,29 @@ def compression(shapes: Shapes, rank: int, rate: float) -> tuple[int, int]:
         n, m = matrix[0], numel(matrix) // matrix[0]
         r = min(rank, n, m)
         if r * (n + m) * rate <= n * m:
-            compressed, pq = compressed + count * n * m, pq + count * r * (n + m)
-    return compressed, pq
+            yield count, n, m, r
+
+
+def compression(shapes: Shapes, rank: int, rate: float) -> tuple[int, int]:
+    """(C, PQ): elements in compressed matrices and in their P and Q (nshard/comm/layout.py's rule)."""
+    found = list(compressed_matrices(shapes, rank, rate))
+    return sum(k * n * m for k, n, m, _ in found), sum(k * r * (n + m) for k, n, m, r in found)
+
+
+def overlap_flat_bytes(shapes: Shapes, c: Config) -> float:
+    """nshard.overlap_backward: the flat buffers of the buckets started during the last backward, alive until the
+    reduction waits for them after it (nshard/comm/dense.py start_sum_): every gradient of a dense update (4P), or
+    the dense remainder and P's blocks of a compressed one (4D + 4 r n per matrix); both when a dense warm-up update
+    runs with state allocated, as the reduce phase counts them."""
+    if not c.overlap_backward:
+        return 0.0
+    P = shapes.params
+    if c.reducer != "powersgd":
+        return 4.0 * P
+    found = list(compressed_matrices(shapes, c.rank, c.min_compression_rate))
+    D = P - sum(k * n * m for k, n, m, _ in found)
+    compressed = 4 * D + 4 * sum(k * r * n for k, n, _, r in found)
+    return float(compressed + (4 * P if c.dense_update_with_state else 0))
 
 
 def activation_bytes(shapes: Shapes, tokens: int, bf16: bool, checkpointing: bool = False) -> int:
@@ -202,13 +228,16 @@ def phases(shapes: Shapes, c: Config) -> dict[str, dict[str, float]]:
     if c.delta_bits and zero:
         # The delta sync replaces ZeRO's closing all-gather inside the step: no weights are staged.
         step_temps, staged = step_temps + delta_buffer_bytes(P, c), None
+    # nshard.overlap_backward: the buckets' flat buffers are alive at the end of the last backward, with its
+    # activations (counted whole: an upper bound, as backward frees them while the buckets start).
+    flights = overlap_flat_bytes(shapes, c)
     out = {}
     if ingest:
         # A parameter hook sums each gradient into its accumulator (or error memory) as autograd produces
         # it, so one gradient exists at a time; freed per-parameter tensors go back to the heap, which
         # keeps its high-water mark: the largest one stays in every later phase.
         held = w * L
-        out["backward"] = {**base, "transient": act + held}
+        out["backward"] = {**base, "comm": flights, "transient": act + held}
         out["reduce"] = {**base, "comm": 4 * D + (4 * P if c.dense_update_with_state else 0), "transient": held}
         if zero:
             # ZeroPartitionWriter: the owned partition, and one matrix's output (4L) while its slice is copied.
@@ -220,7 +249,7 @@ def phases(shapes: Shapes, c: Config) -> dict[str, dict[str, float]]:
         if staged is not None:
             out["all-gather"] = {**base, "transient": staged + held}
     else:
-        out["backward"] = {**base, **grads_backward, "transient": act}
+        out["backward"] = {**base, **grads_backward, "comm": flights, "transient": act}
         if c.reducer == "dense" and c.stage == 0 and not c.bf16:
             comm = 4 * min(P, STAGE0_BUCKET_ELEMENTS)
         elif c.reducer == "powersgd":
@@ -574,7 +603,7 @@ def run_config(plan, ds_config: dict, world: int, device: Device, microbatch_doc
                   reduce_bucket_elements=int(zero.get("reduce_bucket_size", REDUCE_BUCKET_ELEMENTS)),
                   activation_checkpointing="activation_checkpointing" in ds_config,
                   delta_bits=section.get("delta_bits", 4) if delta else 0, delta_block=section.get("delta_block", 256),
-                  device=device.kind)
+                  device=device.kind, overlap_backward=section.get("overlap_backward") is True)
 
 
 PART_LABELS = {"weights": "weights", "gradients": "gradients", "microbatch_sums": "microbatch sums",
@@ -618,7 +647,10 @@ def fixes(plan, shapes: Shapes, config: dict | None, c: Config, device: Device):
     ingest = c.reducer == "powersgd" and (c.stage in (1, 2) or c.bf16)
     if c.stage < 2 and c.world > 1:
         yield "zero_optimization.stage = 2", dataclasses.replace(c, stage=2), shapes, device
-    if ingest and c.microbatches > 1 and c.microbatch_sums == "exact" and c.error_place == "device":
+    if c.overlap_backward:
+        yield "nshard.overlap_backward = false", dataclasses.replace(c, overlap_backward=False), shapes, device
+    if ingest and c.microbatches > 1 and c.microbatch_sums == "exact" and c.error_place == "device" \
+            and not c.overlap_backward:  # refused with overlap_backward (nshard/comm/config.py)
         yield "nshard.microbatch_sums = \"error\"", dataclasses.replace(c, microbatch_sums="error"), shapes, device
     if device.kind == "cuda" and not c.bf16:
         yield "bf16.enabled = true", dataclasses.replace(c, bf16=True), shapes, device

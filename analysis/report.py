@@ -572,8 +572,10 @@ def analyze(study_dir: Path) -> dict:
             quality = growth_screen(candidate, comparisons, quality, screens, study["growth"])
     else:
         quality = quality_screen(candidate, seed, comparisons, failed_controls, screens, heldout_pairs)
-    powers = ([] if study.get("growth")  # growth asks for an advantage, not parity: no equal candidate passes
-              else power_of_comparisons(comparisons, quality.get("first_cohort_paired") if cohort else None, screens))
+    # A growth study's grown-against-dense screen asks for an advantage, not parity (an equal candidate should not
+    # pass it): only its first-cohort screen, a parity screen against the accepted checkpoint, has a declared power.
+    powers = power_of_comparisons([] if study.get("growth") else comparisons,
+                                  quality.get("first_cohort_paired") if cohort else None, screens)
     speed = speed_screen(arms, study["candidate"], study["speed_baseline"], screens, study.get("placement"))
     if study.get("growth"):  # the arms share a FLOPs budget, not a schedule: their times are reported, not screened
         speed = {**speed, "passed": None, "comparable": False,

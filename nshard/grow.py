@@ -141,12 +141,16 @@ def stored_dtype(model_dir: Path) -> torch.dtype:
 
 
 def parameter_counts(model, growth: Growth) -> dict:
-    """All parameters, the experts' share, and those one token passes through (top_k of E experts per layer): the
-    count a FLOPs budget (about 6 x active parameters per trained token) prices a token at."""
+    """All parameters, the experts' share, and those one token passes through (top_k of E experts per layer, the
+    routers left out as nshard.run.budget counts them): the count a FLOPs budget (about 6 x active parameters per
+    trained token) prices a token at."""
+    from nshard.run.budget import router_parameters
+
     total = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
-    return {"parameters": total, "expert_parameters": experts,
-            "active_parameters_per_token": total - experts + experts * growth.top_k // growth.experts}
+    return {"parameters": total, "expert_parameters": experts, "router_parameters": router_parameters(model),
+            "active_parameters_per_token": (total - experts + experts * growth.top_k // growth.experts
+                                            - router_parameters(model))}
 
 
 def grow(source: Path, out: Path, growth: Growth) -> dict:

@@ -22,8 +22,9 @@ each update's seconds by phase. Each option's update on --hosts hosts (one rank 
 
 Every phase but the communication is multiplied by --concurrent_compute (default 1.0: hosts that share nothing).
 
-The short run's own collective_wait is left out: the modelled communication takes its place. A PowerSGD option
-runs its first dense_warmup_updates updates dense. The link is bench_link's JSON (launch/bench_link.py: the dense
+The short run's own collective_wait is left out: the modelled communication takes its place, after the compute (a
+short run or PowerSGD ds_config with nshard.overlap_backward true, the reduction during backward, is refused). A
+PowerSGD option runs its first dense_warmup_updates updates dense. The link is bench_link's JSON (launch/bench_link.py: the dense
 arm's payload over the seconds inside its reduction, less the short run's flatten-and-copy seconds per byte; the
 faster rank of each round, so the wait for the slower one's compute is left out), or --link_mbit and --rtt_ms as
 given (the rate then stands for goodput as it is). It prints a table, each option's run and speedup over one host,
@@ -105,10 +106,21 @@ def read_run(path: str | Path) -> ShortRun:
                    reducer=str(run_json.get("reducer") or "deepspeed"), device=str(receipt.get("device") or "cpu"),
                    zero_stage=stage, updates=updates, shapes=model_shapes(path, run_json))
     ds_config = path / "ds_config.json"
-    if run.reducer == "powersgd" and ds_config.is_file():
-        run.powersgd = json.loads(ds_config.read_text()).get("nshard")
+    section = (json.loads(ds_config.read_text()).get("nshard") or {}) if ds_config.is_file() else {}
+    refuse_overlap(section, f"{path} ran with nshard.overlap_backward true (its ds_config.json)",
+                   "predict from a short run with overlap_backward false")
+    if run.reducer == "powersgd" and section:
+        run.powersgd = section
     _read_schedule(run)
     return run
+
+
+def refuse_overlap(section: dict, what: str, fix: str) -> None:
+    """The model times the communication after the compute (nshard.overlap_backward off): a run or an option with
+    the reduction started during backward is refused, not predicted wrongly."""
+    if section.get("overlap_backward") is True:
+        raise PredictError(f"{what}: the predictor models the reduction after the backward, not during it "
+                           f"(overlap_backward); {fix}")
 
 
 def _json(path: Path, name: str, what: str) -> dict:
@@ -528,6 +540,8 @@ def powersgd_section(run: ShortRun, path: Path | None) -> dict:
     if section.get("reducer") != "powersgd":
         raise PredictError(f"--powersgd_ds_config {path}: its nshard section has no reducer \"powersgd\"; give a "
                            "PowerSGD ds_config such as ds_configs/powersgd.json")
+    refuse_overlap(section, f"--powersgd_ds_config {path} sets nshard.overlap_backward true",
+                   "give a ds_config with overlap_backward false")
     return section
 
 

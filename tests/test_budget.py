@@ -48,7 +48,11 @@ def test_active_parameters_leave_out_the_experts_a_token_does_not_reach():
     mlp = 2 * 3 * 16 * 24
     assert budget_mod.active_parameters(dense) == sum(p.numel() for p in dense.parameters())
     total = sum(p.numel() for p in sparse.parameters())
-    assert budget_mod.active_parameters(sparse) == total - 4 * mlp + 2 * mlp
+    routers = 2 * 4 * 16  # a 4 x 16 router per layer, left out as the budget states
+    assert budget_mod.active_parameters(sparse) == total - 4 * mlp + 2 * mlp - routers
+    with torch.device("meta"):  # top-1: exactly the dense model's cost per token
+        top1 = MixtralForCausalLM(MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=1))
+    assert budget_mod.active_parameters(top1) == budget_mod.active_parameters(dense)
 
 
 GROWTH = {"cohort": {"from": "runs/x", "start": "weights"}, "growth": {"budget": "train_flops"},

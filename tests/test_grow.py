@@ -87,7 +87,8 @@ def test_grown_export_has_its_own_manifest_naming_the_source_and_its_record(dens
     dense_count = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(dense / "model").parameters())
     routers = 2 * 4 * 64
     assert manifest["grown"]["parameters"] == dense_count + 3 * mlp + routers
-    assert manifest["grown"]["active_parameters_per_token"] == dense_count + mlp + routers
+    assert manifest["grown"]["router_parameters"] == routers
+    assert manifest["grown"]["active_parameters_per_token"] == dense_count + mlp  # the routers left out
 
 
 def test_the_router_seed_is_the_only_difference_between_two_growths(dense, grown, tmp_path):

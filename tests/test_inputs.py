@@ -425,3 +425,28 @@ def test_a_study_says_each_paired_screens_declared_power_before_scoring(tmp_path
     out, err = capsys.readouterr()
     assert "declared power: paired lower bound vs one-rank (n = 64, expected discordance 5.00%)" in out
     assert "nshard: warning: paired lower bound vs one-rank" in err and "underpowered" in err
+
+
+def test_a_growth_study_declares_the_power_of_its_first_cohort_screen_and_not_of_its_advantage_screen(tmp_path, capsys):
+    """A growth study's first-cohort screen is a parity screen against the accepted checkpoint, so its power is
+    printed before scoring; grown against continued dense asks for an advantage, where an equal candidate should
+    fail, so no parity power is printed for it."""
+    from nshard.run.plan import plan_from_dict
+    from nshard.study.runner import say_declared_power
+
+    plan = plan_from_dict({"name": "g", "growth": {"budget": "train_flops", "top_k": 1},
+                           "cohort": {"from": str(tmp_path / "accepted"), "start": "weights"},
+                           "screens": {"expected_discordance": 0.15},
+                           "study": {"candidate": "grown", "speed_baseline": "dense", "arms": [
+                               {"name": "dense", "ranks": 2}, {"name": "grown", "ranks": 2, "grown": True}]}})
+    run = tmp_path / "grown"
+    (run / "prepared").mkdir(parents=True)
+    (run / "prepared" / "sets.json").write_text(json.dumps({
+        "eval_case_ids": [f"c{i}" for i in range(128)],
+        "cohort": {"first_cohort_eval_case_ids": [f"f{i}" for i in range(96)]}}))
+    powers = say_declared_power(plan, {"grown": run, "dense": tmp_path / "dense"})
+    assert [(p["screen"], p["n"]) for p in powers] == [
+        ("first-cohort paired lower bound vs the accepted checkpoint", 96)]
+    out, err = capsys.readouterr()
+    assert "declared power: first-cohort paired lower bound vs the accepted checkpoint (n = 96" in out
+    assert "vs dense" not in out + err

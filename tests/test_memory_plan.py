@@ -77,6 +77,32 @@ def test_zero_stages_pool_the_1_7b_model_in_order():
     assert alone["parts"]["optimizer_moments"] == 8 * params and alone["peak_bytes"] > peak[2]["peak_bytes"]
 
 
+def test_overlap_backward_keeps_fp32_sums_and_its_buckets_alive_in_the_backward():
+    """nshard.overlap_backward: the ingest seam sums into fp32 buffers (4P, not 4D) and the buckets' flat buffers
+    are alive in the backward beside the activations; at stage 0 in fp32 only the latter. Both predictions in one run."""
+    plan = plan_with("random:smollm2-1.7b", global_batch_docs=8)  # one microbatch per rank: sums in the error memory
+    for name in ("cpu-zero2-powersgd", "cpu-powersgd"):
+        plain_ds = ds(name)
+        overlap_ds = {**plain_ds, "nshard": {**plain_ds["nshard"], "overlap_backward": True}}
+        plain, overlap = (mm.run_config(plan, d, 2, mm.resolve_device("cpu", 2)) for d in (plain_ds, overlap_ds))
+        assert overlap.overlap_backward and not plain.overlap_backward
+        shapes = mm.config_shapes(mm.spec_config(plan.model.spec))
+        before, after = mm.phases(shapes, plain), mm.phases(shapes, overlap)
+        params = shapes.params
+        compressed, _ = mm.compression(shapes, plain.rank, plain.min_compression_rate)
+        assert before["backward"]["comm"] == 0 and after["backward"]["comm"] >= 4 * (params - compressed)
+        if name == "cpu-zero2-powersgd":  # the ingest seam
+            assert plain.sums_in_error and not overlap.sums_in_error
+            assert (before["backward"]["accumulators"], after["backward"]["accumulators"]) == \
+                   (4 * (params - compressed), 4 * params)
+        else:  # stage 0, fp32: .grad, no sums either way
+            assert before["backward"]["accumulators"] == after["backward"]["accumulators"] == 0
+        assert {k: v for k, v in after["backward"].items() if k not in ("comm", "accumulators")} == \
+               {k: v for k, v in before["backward"].items() if k not in ("comm", "accumulators")}
+        peak = {o: mm.plan_peak(plan, d, 2, "cpu") for o, d in ((False, plain_ds), (True, overlap_ds))}
+        assert peak[True]["peak_bytes"] > peak[False]["peak_bytes"], name
+
+
 def test_a_plan_that_cannot_fit_gets_one_line_naming_its_largest_parts_and_a_fix():
     plan = plan_with("random:smollm2-1.7b")
     report = mm.plan_peak(plan, ds("dense"), 1, "A100-40GB")

@@ -241,3 +241,21 @@ def test_the_command_prints_a_table_and_writes_the_json(tmp_path, capsys):
     assert "| powersgd r=4 |" in printed and written["link"]["bits_per_s"] == 1e8
     p.main([str(run), "--link_mbit", "100", "--powersgd_ranks", "4", "--probe_repeats", "1", "--json", "-"])
     assert json.loads(capsys.readouterr().out)["options"][2]["reducer_compute_from"].startswith("probe")
+
+
+def test_a_run_or_ds_config_with_overlap_backward_is_refused(tmp_path):
+    """The model puts the communication after the compute: a run that reduced during backward is not predicted."""
+    run = short_run(tmp_path / "overlap")
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "nshard": {"reducer": "powersgd", "transport": "torch", "overlap_backward": True}}
+    (run / "ds_config.json").write_text(json.dumps({**config, "nshard": {**config["nshard"], "overlap_backward": False}}))
+    assert p.read_run(run).path == run  # the same run with it off is read
+    (run / "ds_config.json").write_text(json.dumps(config))
+    with pytest.raises(p.PredictError, match="ran with nshard.overlap_backward true .*with overlap_backward false"):
+        p.read_run(run)
+    with pytest.raises(SystemExit, match="overlap_backward"):
+        p.main([str(run), "--link_mbit", "1000"])
+    (tmp_path / "overlap.json").write_text(json.dumps(config))
+    plain = p.read_run(short_run(tmp_path / "plain"))
+    with pytest.raises(p.PredictError, match="sets nshard.overlap_backward true.*overlap_backward false"):
+        p.powersgd_section(plain, tmp_path / "overlap.json")

@@ -23,8 +23,8 @@ PLAN = (REPO / "launch/plans/tiny.toml").read_text().replace("updates = 3", f"up
 POWERSGD = {"reducer": "powersgd", "rank": 4, "dense_warmup_updates": 1}
 
 
-def config(stage: int, bf16: bool = False) -> dict:
-    return tiny_config(stage=stage, nshard=POWERSGD, bf16=bf16)
+def config(stage: int, bf16: bool = False, overlap: bool = False) -> dict:
+    return tiny_config(stage=stage, nshard={**POWERSGD, "overlap_backward": True} if overlap else POWERSGD, bf16=bf16)
 
 
 @pytest.fixture(scope="module")
@@ -49,26 +49,28 @@ def run_json(out) -> dict:
     return json.loads((out / "run.json").read_text())
 
 
-def kill_and_resume(plan, root, stage: int, fault: str, bf16: bool = False):
-    out = root / f"killed-z{stage}{'-bf16' if bf16 else ''}-{fault.replace(':', '-')}"
-    killed = launch(out, config(stage, bf16), plan=plan, check=False, env={"NSHARD_FAULT": fault})
+def kill_and_resume(plan, root, stage: int, fault: str, bf16: bool = False, overlap: bool = False):
+    out = root / f"killed-z{stage}{'-bf16' if bf16 else ''}{'-overlap' if overlap else ''}-{fault.replace(':', '-')}"
+    killed = launch(out, config(stage, bf16, overlap), plan=plan, check=False, env={"NSHARD_FAULT": fault})
     assert killed.returncode != 0, "the fault hook did not stop the run"
     assert run_json(out)["status"] == "running"
-    launch(out, config(stage, bf16), plan=plan, extra_args=["--resume"])
+    launch(out, config(stage, bf16, overlap), plan=plan, extra_args=["--resume"])
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,bf16,fault,resumed_from", [
-    (0, False, "1:5", 4),          # rank 1 killed after update 5: the state of update 4 is the newest
-    (0, False, "0:6:save", 4),     # rank 0 killed mid-save after update 6: that state was never sealed
-    (1, False, "0:3", 2),
-    (2, False, "1:4:save", 2),
-    (0, True, "1:3", 2),           # bf16 compute (the CPU main job's path): fp32 masters, moments and error memory
+@pytest.mark.parametrize("stage,bf16,fault,resumed_from,overlap", [
+    (0, False, "1:5", 4, False),       # rank 1 killed after update 5: the state of update 4 is the newest
+    (0, False, "0:6:save", 4, False),  # rank 0 killed mid-save after update 6: that state was never sealed
+    (1, False, "0:3", 2, False),
+    (2, False, "1:4:save", 2, False),
+    (0, True, "1:3", 2, False),        # bf16 compute (the CPU main job's path): fp32 masters, moments and error memory
+    # nshard.overlap_backward, killed and resumed with it: the bits of the uninterrupted run without it
+    (0, False, "1:5", 4, True),
 ])
-def test_killed_run_resumes_bit_identical(plan, runs_root, stage, bf16, fault, resumed_from):
+def test_killed_run_resumes_bit_identical(plan, runs_root, stage, bf16, fault, resumed_from, overlap):
     whole = uninterrupted(plan, runs_root, stage, bf16)
-    out = kill_and_resume(plan, runs_root, stage, fault, bf16)
+    out = kill_and_resume(plan, runs_root, stage, fault, bf16, overlap)
     assert run_json(out)["parameter_root"] == run_json(whole)["parameter_root"]
     got, want = final_params(out), final_params(whole)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

@@ -63,6 +63,12 @@ class ReducerConfig:
     """How PowerSGD orthonormalizes the summed P: "cholesky_qr2" (batched matmuls, Householder QR for a matrix
     it cannot handle: rank-deficient, all-zero, cond(P) past ~10⁷), "householder" (QR alone), or "auto"
     (CholeskyQR2 on CUDA, Householder on CPU). Same Q within fp32 rounding either way; not saved state."""
+    overlap_backward: bool = False
+    """Start the reduction during the last microbatch's backward, bucket by bucket as gradients are final
+    (nshard/comm/overlap.py), instead of after it; the same result, bit for bit on two ranks. Needs transport
+    "torch", microbatch_sums "exact" and a CPU device (check_device); under ZeRO-1/2 and bf16 the update's gradients
+    are then always summed in fp32 buffers apart from the error memory (4 bytes more per compressed parameter in an
+    update of one microbatch under PowerSGD with device error memory, which otherwise sums into the error memory)."""
 
     def __post_init__(self):
         problems = field_problems(self)
@@ -115,11 +121,34 @@ def field_problems(config: ReducerConfig) -> list[str]:
             f"nshard.min_compression_rate is {config.min_compression_rate!r}; "
             "set it to a number > 0 (e.g. 2)"
         )
+    if not isinstance(config.overlap_backward, bool):
+        problems.append(f"nshard.overlap_backward is {config.overlap_backward!r}; set it to true or false")
+    elif config.overlap_backward and config.transport != "torch":
+        problems.append(f'nshard.overlap_backward is true with transport {config.transport!r}, whose collectives '
+                        'block; set transport to "torch" or overlap_backward to false')
+    elif config.overlap_backward and config.microbatch_sums == "error":
+        # Refused at stage 0 in fp32 too, where the sums are .grad and microbatch_sums has no effect: the section is
+        # checked on its own, before the stage and the precision (bf16 "auto" follows the machine) are known.
+        problems.append('nshard.overlap_backward is true with microbatch_sums "error": the reduction during backward '
+                        'reduces fp32 sums of the microbatches (under ZeRO-1/2 and bf16; refused at stage 0 in fp32 '
+                        'too, where microbatch_sums has no effect, since the section is checked before the stage '
+                        'and precision are known); set microbatch_sums to "exact" or overlap_backward to false')
     if not isinstance(config.warm_start, bool):
         problems.append(f"nshard.warm_start is {config.warm_start!r}; set it to true or false")
     if not (_is_int(config.seed) and 0 <= config.seed < 2**63):
         problems.append(f"nshard.seed is {config.seed!r}; set it to an integer in [0, 2**63)")
     return [p for p in problems if p is not None]
+
+
+def check_device(config: ReducerConfig, device_type: str) -> None:
+    """Refuse what the "nshard" section asks of a device that cannot do it (`device_type`: torch.device.type,
+    "cpu" or "cuda"). overlap_backward on CUDA: the phase clock waits for the device at every phase boundary
+    (nshard/phases.py), so each bucket's all-reduce would finish inside the backward that started it; nothing
+    would overlap, and it is measured on CPU gloo only."""
+    if config.overlap_backward and device_type == "cuda":
+        raise ConfigError(["nshard.overlap_backward is true on a CUDA device: it is measured on CPU gloo only (on "
+                           "CUDA the phase clock's synchronization at each phase boundary would finish every "
+                           "bucket's all-reduce inside the backward); set overlap_backward to false"])
 
 
 def _unknown_key_problems(config: Mapping[str, Any]) -> list[str]:

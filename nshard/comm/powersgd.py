@@ -15,7 +15,8 @@ import torch
 from nshard.comm.agree import agree_on_shapes
 from nshard.comm.checkpoint import assemble_q, check_header, check_part
 from nshard.comm.config import ReducerConfig
-from nshard.comm.dense import ShapeRegistry, all_reduce_mean_, sorted_grads
+from nshard.comm.dense import (InFlight, ShapeRegistry, abandon, all_reduce_mean_, check_buckets_cover, land,
+                               sorted_grads, start_sum_)
 from nshard.comm.feedback import DeviceErrorMemory, ErrorMemory, build_error_memory
 from nshard.comm.layout import Layout, MatrixSlot, build_layout, check_same_shapes, p_block, p_group, q_block
 from nshard.comm.ledger import ByteLedger
@@ -68,9 +69,9 @@ def draw_q(generator: torch.Generator, numel: int, device: torch.device) -> torc
 
 
 @timed("powersgd_pq")
-def compute_p(state: PowerSGDState, grads: Mapping[str, torch.Tensor]) -> None:
-    """P = M Q for every compressed matrix, each written into its block of the flat P buffer."""
-    for slot in state.layout.matrices:
+def compute_p(state: PowerSGDState, grads: Mapping[str, torch.Tensor], slots: Sequence[MatrixSlot] | None = None) -> None:
+    """P = M Q for every compressed matrix (or those of `slots`), each written into its block of the flat P buffer."""
+    for slot in state.layout.matrices if slots is None else slots:
         m = state.errors.matrix(slot.name, as_matrix(unit_grad(grads, slot)))
         torch.matmul(m, q_block(state.q_flat, slot), out=p_block(state.p_flat, slot))
 
@@ -166,12 +167,20 @@ def start_compressed(state: PowerSGDState, grads: Mapping[str, torch.Tensor], tr
                 state.errors.accumulate(slot.name, as_matrix(unit_grad(grads, slot)))
     compute_p(state, grads)
     p_sent = transport.all_reduce_sum_(state.p_flat)  # a sum: orthogonalization removes the scale
+    q_sent, previous_q = reduce_q(state, grads, transport)
+    return {"dense": dense_sent, "p": p_sent, "q": q_sent}, previous_q
+
+
+def reduce_q(state: PowerSGDState, grads: Mapping[str, torch.Tensor], transport: Transport
+             ) -> tuple[int, torch.Tensor | None]:
+    """Once P is summed: orthogonalize it, Q = Mᵀ P averaged in one all-reduce. Returns the Q bytes sent and the
+    previous Q (for keep_usable_q)."""
     orthogonalize(state)
     previous_q = state.q_flat.clone() if state.warm_start else None
     compute_q(state, grads)
     q_sent = transport.all_reduce_sum_(state.q_flat)
     state.q_flat.div_(transport.world_size)
-    return {"dense": dense_sent, "p": p_sent, "q": q_sent}, previous_q
+    return q_sent, previous_q
 
 
 def finish_compressed(state: PowerSGDState, sent: dict[str, int], previous_q: torch.Tensor | None) -> None:
@@ -259,6 +268,63 @@ class SummedUpdate:
         state.updates += 1
 
 
+class BucketedPowerSGD:
+    """One update whose gradients arrive bucket by bucket (nshard/comm/overlap.py). Each bucket's launch does
+    what reduce() does for its parameters before the P all-reduce (error update, P = M Q, per matrix) and starts
+    one all-reduce of its dense remainder and its P blocks; finish() waits, then runs reduce()'s rest unchanged
+    (orthogonalization per shape group, Q, output, error). Per matrix the arithmetic is reduce()'s, and on two
+    ranks every summed element has the same two addends, so outputs, errors and Q are bit-identical to reduce().
+    A warm-up update is the dense reducer's buckets."""
+
+    def __init__(self, reducer: "PowerSGDReducer", device: torch.device):
+        state = self.state = reducer.state
+        if state.layout is None:
+            raise RuntimeError("start_buckets() needs the parameters registered first (register())")
+        self.transport = reducer.transport
+        self.warmup = state.updates < state.dense_warmup_updates
+        self.compressed = {} if self.warmup else state.layout.compressed()
+        self.flights: list[InFlight] = []
+        self.names: list[str] = []
+        if self.compressed:
+            prepare_buffers(state, device)  # Q is drawn here, as in reduce(): the generator's only use
+
+    @timed("reducer_compute")
+    def launch(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """Start one bucket of final gradients (every rank launches the same buckets in the same order)."""
+        state, slots = self.state, [s for name in grads for s in self.compressed.get(name, ())]
+        if slots:
+            with ERROR_UPDATE:
+                for slot in slots:
+                    state.errors.accumulate(slot.name, as_matrix(unit_grad(grads, slot)))
+            compute_p(state, grads, slots)
+        averaged = [g for name, g in grads.items() if name not in self.compressed]
+        self.names += list(grads)
+        self.flights.append(start_sum_(averaged, [p_block(state.p_flat, s) for s in slots], self.transport))
+
+    @timed("reducer_compute")
+    def finish(self, named_grads: Mapping[str, torch.Tensor]) -> None:
+        """Wait for every bucket and complete the update in place (`named_grads`: all of the update's)."""
+        state, grads = self.state, sorted_grads(named_grads)
+        state.registry.register({n: g.shape for n, g in grads.items()}, "bucketed gradients")
+        check_buckets_cover(self.names, grads)
+        sent = {"dense": 0, "p": 0}
+        for flight in self.flights:
+            dense, p = land(flight, self.transport)
+            sent["dense"], sent["p"] = sent["dense"] + dense, sent["p"] + p
+        if not self.compressed:  # warm-up, or nothing to compress: recorded as reduce() records it
+            state.ledger.record(state.updates, False, dense=sent["dense"])
+        else:
+            sent["q"], previous_q = reduce_q(state, grads, self.transport)
+            decompress_all(state, grads)
+            finish_compressed(state, sent, previous_q)
+        state.updates += 1
+
+    def abandon(self) -> None:
+        """The update's backward failed: wait for the buckets started and write nothing back. The error memory
+        and P already hold the launched buckets' part of the update: the run must resume from a checkpoint."""
+        abandon(self.flights, self.transport)
+
+
 class PowerSGDReducer:
     """Averages gradients with PowerSGD after `dense_warmup_updates` plain dense updates.
 
@@ -331,6 +397,11 @@ class PowerSGDReducer:
         remainder's gradients are averaged in place; the matrices' outputs come from the returned
         update's output(name), then its finish()."""
         return SummedUpdate(self, dense_grads, self._error_views())
+
+    def start_buckets(self, device: torch.device) -> BucketedPowerSGD:
+        """An update whose gradients arrive bucket by bucket (nshard/comm/overlap.py), bit-identical to reduce()
+        on two ranks."""
+        return BucketedPowerSGD(self, device)
 
     @timed("reducer_compute")
     def reduce(self, named_grads: Mapping[str, torch.Tensor]) -> None:

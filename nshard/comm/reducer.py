@@ -26,6 +26,24 @@ class SummedReduction(Protocol):
         ...
 
 
+class BucketedReduction(Protocol):
+    """One update whose gradients are handed over bucket by bucket as backward finishes them
+    (Reducer.start_buckets, driven by nshard/comm/overlap.py), with the same result as reduce()."""
+
+    def launch(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """One bucket's final gradients: its collectives start and run on while the caller computes."""
+        ...
+
+    def finish(self, named_grads: Mapping[str, torch.Tensor]) -> None:
+        """Wait for every bucket and complete the update in place; `named_grads` are all of the update's, each
+        launched in exactly one bucket."""
+        ...
+
+    def abandon(self) -> None:
+        """The update's backward failed: wait for every bucket launched, so no collective is left in flight."""
+        ...
+
+
 class Reducer(Protocol):
     """Averages one update's gradients over data-parallel ranks, in place. The seams call nothing else."""
 
@@ -52,6 +70,11 @@ class Reducer(Protocol):
     def reduce_summed(self, dense_grads: Mapping[str, torch.Tensor]) -> SummedReduction:
         """reduce() for an update whose matrices were summed into error_sums(): the other (dense) gradients are
         averaged in place now, the matrices' outputs come from the returned update (a collective: all ranks)."""
+        ...
+
+    def start_buckets(self, device: torch.device) -> BucketedReduction:
+        """reduce() for gradients that arrive bucket by bucket (nshard.overlap_backward: the transport must be
+        "torch"). Every rank launches the same buckets in the same order."""
         ...
 
     def state_dict(self) -> dict[str, Any]: ...

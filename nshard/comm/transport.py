@@ -28,6 +28,19 @@ class Transport(Protocol):
         ...
 
 
+class AsyncTransport(Transport, Protocol):
+    """A transport that can leave a sum running while the caller computes (nshard.overlap_backward)."""
+
+    def start_all_reduce_sum_(self, tensor: torch.Tensor) -> tuple[Any, int]:
+        """Start summing `tensor` in place over all ranks and return at once: (a handle for wait(), the bytes
+        this rank hands to the collective). `tensor` must not be touched until wait(handle) returns."""
+        ...
+
+    def wait(self, handle: Any) -> None:
+        """Block until the collective behind `handle` is done."""
+        ...
+
+
 def payload_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -55,6 +68,17 @@ class TorchTransport:
         self._all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         return payload_bytes(tensor)
 
+    @timed("collective_wait")  # the launch only; the wait is timed in wait()
+    def start_all_reduce_sum_(self, tensor: torch.Tensor) -> tuple[Any, int]:
+        """all_reduce_sum_ with async_op=True: on gloo the sum runs in the process group's own threads (on NCCL
+        on its stream), so the caller's backward goes on while the bytes travel."""
+        work = self._all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return work, payload_bytes(tensor)
+
+    @timed("collective_wait")
+    def wait(self, handle: Any) -> None:
+        handle.wait()
+
     @timed("collective_wait")
     def all_gather_object(self, obj: Any) -> list:
         gathered = [None] * self.world_size
@@ -63,7 +87,8 @@ class TorchTransport:
 
 
 class MpiTransport:
-    """mpi4py Allreduce on numpy views of host tensors; `comm` defaults to COMM_WORLD."""
+    """mpi4py Allreduce on numpy views of host tensors; `comm` defaults to COMM_WORLD. Blocking only (no
+    AsyncTransport), so nshard.overlap_backward is refused with it (nshard/comm/config.py)."""
 
     def __init__(self, comm: Any = None):
         # Imported here: importing mpi4py.MPI initialises MPI, which must not happen under torchrun.

@@ -25,14 +25,22 @@ class BudgetError(PlanError):
 
 
 def active_parameters(model) -> int:
-    """Parameters one token passes through: every parameter, less the experts a top-k router does not send it to."""
+    """Parameters one token passes through: every parameter, less the experts a top-k router does not send it to,
+    and less the routers themselves (HOW: left out, as attention's sequence term is), so that a top-1 model costs
+    exactly its dense source per token."""
     total = sum(p.numel() for p in model.parameters())
     config = getattr(model, "config", None)
     experts, top_k = getattr(config, "num_local_experts", None), getattr(config, "num_experts_per_tok", None)
     if not experts or not top_k:
         return total
     expert = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
-    return total - expert + expert * top_k // experts
+    return total - expert + expert * top_k // experts - router_parameters(model)
+
+
+def router_parameters(model) -> int:
+    """The top-k routers' weights of a sparse (Mixtral) model: each sparse block's `gate` (in a checkpoint,
+    block_sparse_moe.gate), not a dense MLP's gate_proj."""
+    return sum(p.numel() for name, p in model.named_parameters() if name.endswith(".gate.weight"))
 
 
 def model_active_parameters(model_dir) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from nshard.comm.config import ReducerConfig
+from nshard.comm.config import ReducerConfig, check_device
 from nshard.files import note_one_time_work
 from nshard.seam import patches
 from nshard.seam.chunked_adamw import CHUNK_ELEMENTS, chunk_steps
@@ -234,6 +234,7 @@ def install_reducer(engine, config: ReducerConfig | None):
 
     if config is None:
         return DeepSpeedReduction()
+    check_device(config, torch.device(engine.device).type)  # before any collective or hook
     import functools
 
     import deepspeed.comm as ds_comm
@@ -258,8 +259,9 @@ def install_reducer(engine, config: ReducerConfig | None):
             writer = ZeroPartitionWriter(engine.optimizer)
         return IngestSeam(engine, reducer, config.reducer, partition_writer=writer,
                           sum_every_microbatch_into_error=
-                          config.reducer == "powersgd" and config.microbatch_sums == "error")
-    return InPlaceSeam(engine, reducer, config.reducer)
+                          config.reducer == "powersgd" and config.microbatch_sums == "error",
+                          overlap=config.overlap_backward)
+    return InPlaceSeam(engine, reducer, config.reducer, overlap=config.overlap_backward)
 
 
 # ---- elastic resume (nshard/run/elastic.py): DeepSpeed's universal checkpoint and full optimizer state ----

@@ -11,6 +11,7 @@ import functools
 
 import torch
 
+from nshard.comm.overlap import BackwardOverlap
 from nshard.phases import phase
 from nshard.seam import patches
 from nshard.seam.reduction import ReducerSeam
@@ -43,11 +44,18 @@ class IngestSeam(ReducerSeam):
       each into the error memory as it arrives: (e + g1) + g2, which rounds unlike stage 0's e + (g1 + g2).
     - Otherwise (several microbatches, dense reducer, host error memory): one fp32 sum per parameter,
       kept apart from the error memory so that M = error + (g1 + g2 + ...) rounds exactly as at stage 0.
+    - With `overlap` (nshard.overlap_backward) always fp32 sums, reduced bucket by bucket during the last
+      backward (nshard/comm/overlap.py): the same bits as either path above.
     `sums` names where the last update's sums were.
     """
 
-    def __init__(self, engine, reducer, name: str, partition_writer=None, sum_every_microbatch_into_error: bool = False):
+    def __init__(self, engine, reducer, name: str, partition_writer=None, sum_every_microbatch_into_error: bool = False,
+                 overlap: bool = False):
         super().__init__(engine, reducer, name)
+        # nshard.overlap_backward: the sums are reduced bucket by bucket during the last backward
+        # (nshard/comm/overlap.py); they are always fp32 sums then, 0 + g being g exactly, so the bits are those
+        # of the error-memory path too.
+        self.overlap = BackwardOverlap(reducer, self.params) if overlap else None
         self.partition_writer = partition_writer
         self.sum_every_microbatch_into_error = sum_every_microbatch_into_error
         if engine.gradient_accumulation_steps() != 1:
@@ -74,20 +82,31 @@ class IngestSeam(ReducerSeam):
 
     def backward_and_step(self, engine, loss, last: bool) -> None:
         if self.first:  # `last` on the first microbatch: the update has exactly one
-            into_error = last or self.sum_every_microbatch_into_error
+            into_error = (last or self.sum_every_microbatch_into_error) and self.overlap is None
             self.into_error = self.reducer.error_sums(self.device) if into_error else {}
             self.sums = "error memory" if self.into_error else "fp32 sums"
         self.first = last
-        handles = [p.register_hook(_adder(self._sum(n))) for n, p in self.params.items()]
+        overlap = self.overlap if last else None
+        if overlap is not None:
+            overlap.begin(self._sum)
+        handles = [p.register_hook(_adder(self._sum(n), functools.partial(overlap.final, n) if overlap else None))
+                   for n, p in self.params.items()]
+        backward = functools.partial(torch.autograd.grad, loss, list(self.params.values()), allow_unused=True)
         try:
-            torch.autograd.grad(loss, list(self.params.values()), allow_unused=True)
+            if overlap is not None:
+                overlap.backward(backward)  # a failed backward waits for the buckets it started, then raises
+            else:
+                backward()
         finally:
             for handle in handles:
                 handle.remove()
         if not last:
             return
         update = None
-        if self.into_error:
+        if overlap is not None:
+            overlap.end()  # the sums, reduced in place
+            sources = {n: self._sum(n) for n in self.params}
+        elif self.into_error:
             update = self.reducer.reduce_summed({n: self._sum(n) for n in self.params if n not in self.into_error})
             sources = {n: functools.partial(update.output, n) if n in self.into_error else self._sum(n)
                        for n in self.params}
@@ -113,11 +132,14 @@ class IngestSeam(ReducerSeam):
                 acc.zero_()
 
 
-def _adder(acc: torch.Tensor):
+def _adder(acc: torch.Tensor, final=None):
     """A parameter hook: add the gradient to its fp32 sum (as `acc.add_(g)` on autograd.grad's result did)
-    and give autograd a zero-stride zero to return instead, so the gradient itself is freed at once."""
+    and give autograd a zero-stride zero to return instead, so the gradient itself is freed at once. `final()`,
+    if given, is then told that the sum is complete (the last backward under nshard.overlap_backward)."""
     def hook(grad: torch.Tensor) -> torch.Tensor:
         acc.add_(grad)
+        if final is not None:
+            final()
         return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
     return hook
 

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from nshard.comm.ledger import ByteLedger
+from nshard.comm.overlap import BackwardOverlap
 from nshard.comm.reducer import Reducer
 from nshard.phases import phase
 
@@ -110,14 +111,24 @@ class ReducerSeam:
 class InPlaceSeam(ReducerSeam):
     """Stage 0, fp32: DeepSpeed's all-reduce is switched off (enable_backward_allreduce), microbatch
     gradients accumulate in .grad through engine.backward, and after the last one the reducer
-    averages .grad in place before engine.step()."""
+    averages .grad in place before engine.step(). With `overlap` (nshard.overlap_backward) the reduction
+    starts during the last backward, bucket by bucket (nshard/comm/overlap.py), with the same result."""
 
     sums = ".grad"
+
+    def __init__(self, engine, reducer: Reducer, name: str, overlap: bool = False):
+        super().__init__(engine, reducer, name)
+        self.overlap = BackwardOverlap(reducer, self.params) if overlap else None
 
     def forward(self, engine, **inputs):
         return engine(**inputs)
 
     def backward_and_step(self, engine, loss, last: bool) -> None:
+        if last and self.overlap is not None:
+            self.overlap.reduce(lambda: engine.backward(loss, scale_wrt_gas=False))
+            with phase("optimizer_step"):
+                engine.step()
+            return
         engine.backward(loss, scale_wrt_gas=False)
         if last:
             with phase("reducer_compute"):

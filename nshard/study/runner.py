@@ -363,13 +363,15 @@ def commit_candidates(out: Path, seed_dir: Path, arms: dict[str, Path]) -> dict:
 
 def say_declared_power(plan: Plan, arms: dict[str, Path]) -> list[dict]:
     """Before any case is scored: the probability that a candidate equal to its control passes each paired screen
-    at its number of cases (screens.expected_discordance), with a warning below 80%."""
+    at its number of cases (screens.expected_discordance), with a warning below 80%. A growth study's screen of grown
+    against continued dense asks for an advantage, not parity, so only its first-cohort screen has one."""
     from nshard.analysis.report import declared_powers, power_lines
 
-    if plan.growth.enabled or plan.study.candidate not in arms:
+    if plan.study.candidate not in arms:
         return []
     sets = json.loads((arms[plan.study.candidate] / "prepared" / "sets.json").read_text())
-    controls = [a.name for a in plan.study.arms if a.name != plan.study.candidate and a.name in arms]
+    controls = [] if plan.growth.enabled else [a.name for a in plan.study.arms
+                                               if a.name != plan.study.candidate and a.name in arms]
     powers = declared_powers(sets, dataclasses.asdict(plan.screens), controls)
     for power, line in zip(powers, power_lines(powers)):
         say(f"declared power: {line[2:]}")
