@@ -276,25 +276,35 @@ def run_model(name: str, args, out: Path) -> dict:
     port = random.randint(20000, 60000)  # inside the namespaces: nothing else listens there
     procs = []
     for rank, (ns, _) in enumerate(pairs):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(len(pairs)), LOCAL_WORLD_SIZE="1",
-                   MASTER_ADDR=pairs[0][1], MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0",
-                   OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
         cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "launch.bench_link", "--worker", name, "--out", str(out),
                *[f"--{k}={getattr(args, k)}" for k in ("rates", "layers", "rank", "updates", "tokens")]]
         log = (out / f"{name}.rank{rank}.log").open("w")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
+        procs.append(subprocess.Popen(cmd, env=worker_env(rank, pairs, port), stdout=log, stderr=subprocess.STDOUT,
+                                      cwd=REPO))
+    wait_workers(procs, f"a {name} worker failed: see {out}/{name}.rank*.log")
+    return json.loads((out / f"{name}.raw.json").read_text())
+
+
+def worker_env(rank: int, pairs: list[tuple[str, str]], port: int, ifname: str | None = "eth0") -> dict:
+    """A benchmark worker's environment: one rank per host, rank 0's address the master, one thread."""
+    return dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(len(pairs)), LOCAL_WORLD_SIZE="1",
+                MASTER_ADDR=pairs[0][1], MASTER_PORT=str(port), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+                PYTHONUNBUFFERED="1", **({"GLOO_SOCKET_IFNAME": ifname} if ifname else {}))
+
+
+def wait_workers(procs: list[subprocess.Popen], failure: str) -> None:
+    """Wait for every worker; the first that fails stops the others and raises `failure`."""
     try:
         while any(p.poll() is None for p in procs):
             if any(p.poll() not in (None, 0) for p in procs):
-                raise RuntimeError(f"a {name} worker failed: see {out}/{name}.rank*.log")
+                raise RuntimeError(failure)
             time.sleep(1)
         if any(p.returncode for p in procs):
-            raise RuntimeError(f"a {name} worker failed: see {out}/{name}.rank*.log")
+            raise RuntimeError(failure)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    return json.loads((out / f"{name}.raw.json").read_text())
 
 
 def summarize(raw: dict, rates: list[str]) -> dict:

@@ -149,16 +149,14 @@ def print_table(report: dict) -> None:
 
 def run_workers(args, out: Path) -> dict:
     """Both workers, each in its host's namespace (rank 0 on the first); a failed one takes the other down."""
-    from launch.bench_link import hosts
+    from launch.bench_link import hosts, wait_workers, worker_env
     from nshard.seam.launch_env import free_port
 
     local = args.link == "local"
     pairs = [("", "127.0.0.1")] * 2 if local else hosts()
     port, procs = free_port() if local else random.randint(20000, 60000), []
     for rank, (ns, _) in enumerate(pairs):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(len(pairs)), LOCAL_WORLD_SIZE="1",
-                   MASTER_ADDR=pairs[0][1], MASTER_PORT=str(port), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-                   PYTHONUNBUFFERED="1", **({} if local else {"GLOO_SOCKET_IFNAME": "eth0"}))
+        env = worker_env(rank, pairs, port, ifname=None if local else "eth0")
         pin = ["taskset", "-c", str(sorted(os.sched_getaffinity(0))[rank])] if args.cores else []
         where = [] if local else ["ip", "netns", "exec", ns]
         cmd = [*where, *pin, sys.executable, "-m", "launch.bench_overlap", "--worker",
@@ -166,17 +164,7 @@ def run_workers(args, out: Path) -> dict:
                f"--out={out}"]
         log = (out / f"rank{rank}.log").open("w")
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
-    try:
-        while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs):
-                break
-            time.sleep(1)
-        if any(p.wait() for p in procs):
-            raise RuntimeError(f"a worker failed: see {out}/rank*.log")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    wait_workers(procs, f"a worker failed: see {out}/rank*.log")
     return json.loads((out / "raw.json").read_text())
 
 

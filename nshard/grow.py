@@ -148,9 +148,9 @@ def parameter_counts(model, growth: Growth) -> dict:
 
     total = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
-    return {"parameters": total, "expert_parameters": experts, "router_parameters": router_parameters(model),
-            "active_parameters_per_token": (total - experts + experts * growth.top_k // growth.experts
-                                            - router_parameters(model))}
+    routers = router_parameters(model)
+    return {"parameters": total, "expert_parameters": experts, "router_parameters": routers,
+            "active_parameters_per_token": total - experts + experts * growth.top_k // growth.experts - routers}
 
 
 def grow(source: Path, out: Path, growth: Growth) -> dict:
