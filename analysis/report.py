@@ -205,6 +205,7 @@ def execution_block(run_dir: Path, ranks: int, usd_per_gb: float, launch: dict |
     return {"device": "GPU" if gpu else "CPU", "ranks": ranks,
             "precision": receipts[0].get("precision"),
             "optimizer": optimizer_of(receipts),
+            "reduction_start": reduction_start_of(receipts),
             "startup_s": max((u["s"] for u in startups), default=None),
             "one_time_work": sorted({w for u in startups for w in u["one_time_work"]}) if startups else None,
             "launch_s": min(starts) - began if starts and began is not None else None,
@@ -704,6 +705,27 @@ def optimizer_of(receipts: list[dict]) -> str | None:
     return found.pop() if found else None
 
 
+def reduction_start_of(receipts: list[dict]) -> str | None:
+    """When an arm's gradient reduction started (receipts' reduction_ran.overlap_backward; None in older
+    receipts): after the last backward, or during it (nshard.overlap_backward), with its buckets and the share of
+    them, over every rank's updates, that started before the backward ended; or DeepSpeed's own reduction (whose
+    ZeRO overlap_comm is DeepSpeed's setting). Ranks that disagree are an error."""
+    ran = [r.get("reduction_ran") or {} for r in receipts]
+    if ran and all(x.get("configured") == "deepspeed" for x in ran):
+        return "DeepSpeed's own reduction"
+    if not all("overlap_backward" in x for x in ran):
+        return None
+    found = [x["overlap_backward"] for x in ran]
+    if len({f is None for f in found}) > 1 or len({f["buckets"] for f in found if f}) > 1:
+        raise StudyError("the ranks of one arm started the reduction differently (nshard.overlap_backward): "
+                         f"{found}")
+    if found[0] is None:
+        return "after the last backward"
+    planned = sum(f["updates"] * f["buckets"] for f in found)
+    share = f"{100 * sum(f['started_in_backward'] for f in found) / planned:.0f}%" if planned else "none"
+    return f"during the last backward: {found[0]['buckets']} buckets, {share} started before it ended"
+
+
 def execution_table(results: dict) -> str:
     arms = [a for a in results["arms"]]
     ex = [a.get("execution") for a in arms]
@@ -713,6 +735,7 @@ def execution_table(results: dict) -> str:
         ("Compute (masters, moments, error memory)", lambda a, e: "—" if not e.get("precision") else
          f"{e['precision']['compute']} ({e['precision']['masters']})"),
         ("AdamW implementation", lambda a, e: e.get("optimizer") or "—"),
+        ("Gradient reduction starts", lambda a, e: e.get("reduction_start") or "—"),
         ("Maximum rank active time", lambda a, e: _num(e and e["max_active_s"], "{:,.2f} s")),
         ("Active time plus final checkpoint", lambda a, e: _num(e and e["max_active_plus_checkpoint_s"], "{:,.2f} s")),
         ("Complete process group", lambda a, e: _num(e and e["complete_process_s"], "{:,.2f} s")),

@@ -329,6 +329,14 @@ def assert_same_training(plain, overlap) -> None:
                (b["compressed"], b["reducer_bytes"], b["logged_reducer_bytes"])
         assert b["phases"]["collective_wait"] > 0
     assert any(m["compressed"] for m in metrics(overlap))
+    # The receipts say which started the reduction during the backward, with every update of the run counted.
+    updates = len(metrics(overlap))
+    for r in receipts(plain):
+        assert r["reduction_ran"]["overlap_backward"] is None
+    for r in receipts(overlap):
+        record = r["reduction_ran"]["overlap_backward"]
+        assert record["buckets"] >= 1 and record["updates"] == updates
+        assert 0 <= record["started_in_backward"] <= updates * record["buckets"]
 
 
 @pytest.mark.slow
@@ -395,3 +403,19 @@ def test_the_benchmark_records_its_command_as_it_can_be_rerun():
 
     assert command_line(["--link", "1gbit", "--out", "runs/bench overlap"]) == \
         ".venv/bin/python -m launch.bench_overlap --link 1gbit --out 'runs/bench overlap'"
+
+
+def test_the_report_says_when_each_arm_started_its_reduction():
+    from analysis.report import StudyError, reduction_start_of
+
+    def receipt(overlap):
+        return {"reduction_ran": {"configured": "dense", "overlap_backward": overlap}}
+
+    assert reduction_start_of([receipt(None), receipt(None)]) == "after the last backward"
+    during = [receipt({"buckets": 4, "updates": 3, "started_in_backward": 9}),
+              receipt({"buckets": 4, "updates": 3, "started_in_backward": 6})]
+    assert reduction_start_of(during) == "during the last backward: 4 buckets, 62% started before it ended"
+    assert reduction_start_of([{"reduction_ran": {"configured": "dense"}}]) is None  # a receipt before the record
+    assert reduction_start_of([{"reduction_ran": {"configured": "deepspeed"}}] * 2) == "DeepSpeed's own reduction"
+    with pytest.raises(StudyError, match="started the reduction differently"):
+        reduction_start_of([receipt(None), during[0]])

@@ -110,6 +110,9 @@ def test_nshard_dense_reducer_matches_deepspeed_all_reduce(runs_root):
     for r in receipts(deepspeed):  # DeepSpeed's all-reduce ran: its logger saw the gradient bytes, no nshard call
         ran = r["reduction_ran"]
         assert ran["configured"] == "deepspeed" and ran["nshard_reducer_calls"] == 0 and ran["deepspeed_grad_bytes"] > 0
+        assert "overlap_backward" not in ran  # DeepSpeed's reduction is DeepSpeed's: no claim about its timing
+    for r in receipts(dense):
+        assert r["reduction_ran"]["overlap_backward"] is None  # nshard's dense reducer, after the last backward
     assert_same_params(dense, deepspeed, rtol=1e-5, atol=1e-6)
 
 

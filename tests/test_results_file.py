@@ -35,6 +35,7 @@ def checkout(tmp_path):
 def test_a_results_file_holds_the_report_byte_for_byte_with_its_commit_and_commands(checkout, tmp_path):
     run = checkout / "runs" / "cpu-study"
     run.mkdir(parents=True)
+    (run / "plan.toml").write_text("[model]\nsource = 'x'\n[train]\nupdates = 1\n")
     report = "# Report\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\ttabs and trailing spaces stay   \n"
     (run / "report.md").write_text(report)
     out = tmp_path / "results"
@@ -46,6 +47,7 @@ def test_a_results_file_holds_the_report_byte_for_byte_with_its_commit_and_comma
     commit = git(checkout, "rev-parse", "HEAD")
     assert written.name.startswith("2026-12-05-") and written.name.endswith(f"-{commit[:7]}.md")
     text = written.read_text()
+    assert text.startswith("# The main job on ")
     assert text.endswith(report) and f"- Commit: `{commit}`" in text
     assert "time bash launch/setup.sh\ntime bash launch/study.sh\n" in text and "run: 3300 s (55.0 min)" in text
     assert hashlib.sha256(report.encode()).hexdigest() in text
@@ -59,9 +61,30 @@ def test_a_results_file_is_refused_for_a_checkout_with_changes_or_a_run_without_
     assert results_file.main(args) == 2
     assert "report.md does not exist" in capsys.readouterr().err
     (run / "report.md").write_text("r\n")
+    assert results_file.main(args) == 2
+    assert "plan.toml does not exist" in capsys.readouterr().err
+    (run / "plan.toml").write_text("[model\n")
+    assert results_file.main(args) == 2
+    assert "plan.toml cannot be read as TOML" in capsys.readouterr().err
+    (run / "plan.toml").write_text("[model]\n")
     (checkout / "f.txt").write_text("changed\n")
     assert results_file.main(args) == 2
     assert "uncommitted changes" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("sections, title, suffix", [("[cohort]\nfrom = 'runs/cpu-study'\n", "The second cohort", "-cohort"),
+                                                     ("[cohort]\n[growth]\nexperts = 4\n", "The growth study", "-growth")])
+def test_a_follow_up_study_gets_its_own_title_and_name(checkout, tmp_path, sections, title, suffix):
+    run = checkout / "runs" / "follow-up"
+    run.mkdir(parents=True)
+    (run / "plan.toml").write_text("[model]\nsource = 'x'\n" + sections)
+    (run / "report.md").write_text("r\n")
+    out = tmp_path / "results"
+    assert results_file.main(["--run", str(run), "--checkout", str(checkout), "--command", "c", "--run_s", "60",
+                              "--date", "2026-12-05", "--out", str(out)]) == 0
+    [written] = out.iterdir()
+    assert written.name.endswith(f"-{git(checkout, 'rev-parse', 'HEAD')[:7]}{suffix}.md")
+    assert written.read_text().startswith(f"# {title} on ") and "Set-up: not timed" in written.read_text()
 
 
 def test_every_results_file_carries_the_report_its_sha256_names():

@@ -64,6 +64,8 @@ class BackwardOverlap:
         agree_on_buckets(self.buckets, reducer.transport)
         self.launched_in_backward = 0
         """Buckets the last update started from inside its backward (the rest started after it)."""
+        self.updates, self.started_in_backward = 0, 0
+        """Updates closed by end(), and the buckets they started from inside their backward, all told (receipts)."""
         self._update, self._source, self._waiting, self._next = None, None, [], 0
 
     def reduce(self, backward: Callable[[], None]) -> None:
@@ -130,6 +132,8 @@ class BackwardOverlap:
     def end(self) -> None:
         """After the last backward every gradient is final: start the buckets left and wait for all of them."""
         self.launched_in_backward = self._next
+        self.updates += 1
+        self.started_in_backward += self._next
         with phase("reducer_compute"):
             for waiting in self._waiting:
                 waiting.clear()
