@@ -322,13 +322,15 @@ def reduction_ran(seam, receipt: Receipt) -> dict:
     """What reduced the gradients, from what ran: the nshard reducer's ledger (one record per reduce call, the
     updates before a resume included), whether the reduction started during the last backward (this process's
     updates: its buckets, and how many of them started before the backward ended) and the bytes DeepSpeed's comms
-    logger saw its own gradient collectives carry. Under an nshard reducer DeepSpeed's count holds only its scalar checks (tens of bytes per update)."""
+    logger saw its own gradient collectives carry. Under an nshard reducer DeepSpeed's count holds only its scalar
+    checks (tens of bytes per update)."""
     records = seam.ledger.records if seam.ledger is not None else []
     # nshard.overlap_backward, on an nshard reducer's seam: None when the reduction starts after the last backward.
     # DeepSpeed's own reduction has no such record (its ZeRO overlap_comm is DeepSpeed's).
     overlap = getattr(seam, "overlap", None)
     started = {} if not hasattr(seam, "overlap") else {"overlap_backward": None if overlap is None else {
-        "buckets": len(overlap.buckets), "updates": overlap.updates, "started_in_backward": overlap.started_in_backward}}
+        "buckets": len(overlap.buckets), "updates": overlap.updates,
+        "started_in_backward": overlap.started_in_backward}}
     return {"configured": seam.name, "nshard_reducer_calls": len(records), **started,
             "nshard_compressed_calls": sum(1 for r in records if r["compressed"]),
             "deepspeed_grad_bytes": receipt.deepspeed_grad_bytes, "deepspeed_comms_logged": patches.comms_logged()}
