@@ -325,10 +325,10 @@ def reduction_ran(seam, receipt: Receipt) -> dict:
     logger saw its own gradient collectives carry. Under an nshard reducer DeepSpeed's count holds only its scalar
     checks (tens of bytes per update)."""
     records = seam.ledger.records if seam.ledger is not None else []
-    # nshard.overlap_backward, on an nshard reducer's seam: None when the reduction starts after the last backward.
-    # DeepSpeed's own reduction has no such record (its ZeRO overlap_comm is DeepSpeed's).
+    # nshard.overlap_backward, under an nshard reducer: None when the reduction starts after the last backward.
+    # DeepSpeed's own reduction ("deepspeed") has no such record: its ZeRO overlap_comm is DeepSpeed's.
     overlap = getattr(seam, "overlap", None)
-    started = {} if not hasattr(seam, "overlap") else {"overlap_backward": None if overlap is None else {
+    started = {} if seam.name == "deepspeed" else {"overlap_backward": None if overlap is None else {
         "buckets": len(overlap.buckets), "updates": overlap.updates,
         "started_in_backward": overlap.started_in_backward}}
     return {"configured": seam.name, "nshard_reducer_calls": len(records), **started,
