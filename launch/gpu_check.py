@@ -28,6 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from nshard.phases import DETAIL  # noqa: E402 -- the checkout's nshard, found through the line above
 BUDGET_S = 540
 PLAN = REPO / "launch/plans/gpu-check.toml"
 WARMUP = 2
@@ -36,6 +37,13 @@ MODELS = {"mixtral": "random:mixtral-4x135m", "1.7b": "random:smollm2-1.7b"}
 LARGE = {"updates": 4, "global_batch_docs": 32, "microbatch_docs": 4}
 """The 1.7B step's [train]: the reference study's batch (launch/plans/study.toml), four updates."""
 DRY = "dry-run: listed and checked, not run"
+UNSYNCED = "train-bf16-powersgd-unsynced"
+CLOCK_BOUND = 0.01
+"""What the phase breakdown may add to an update on CUDA (issue 38): its synchronized median compressed update over the
+unsynchronized twin's, minus one."""
+PHASE_SUM_TOLERANCE = 0.02
+"""Each update's phases sum to its time within this share (rest is what no phase claims, so this checks the receipt's
+arithmetic and that no phase is negative beyond it)."""
 TARGET_GPU = "H200"
 """The GPU the check is sized for: the dry run asks the memory model whether every training step fits one."""
 
@@ -59,6 +67,9 @@ class Expect:
     """Delta parameter sync at these bits: a sync per update, its gap recorded."""
     experts: int | None = None
     """A sparse model with this many experts per layer."""
+    phase_sync: bool = True
+    """The phase clock synchronized the device at each phase boundary (false: NSHARD_PHASE_SYNC=0, the clock's cost
+    measured against it)."""
 
 
 @dataclass
@@ -158,13 +169,13 @@ def steps(out: Path, inputs: dict[str, Path]) -> list[Step]:
     results = out / "results"
 
     def train(name: str, what: str, config: str, expect: Expect, plan: str = "135m", timeout_s: int = 150,
-              min_s: int = 45) -> Step:
+              min_s: int = 45, env: dict | None = None) -> Step:
         run_dir = out / name
         plan_path, ds_config = inputs[f"plan-{plan}"], inputs[config]
         return Step(name, what, [deepspeed, "--num_gpus", "1", "--master_port", str(free_port()),
                                  str(REPO / "nshard/train.py"), "--ds_config", str(ds_config), "--plan", str(plan_path),
                                  "--out", str(run_dir), "--overwrite"],
-                    timeout_s, min_s, run_dir=run_dir, expect=expect, inputs=(plan_path, ds_config))
+                    timeout_s, min_s, env=env or {}, run_dir=run_dir, expect=expect, inputs=(plan_path, ds_config))
 
     zero, unfused = "DeepSpeedZeroOptimizer", "FP16_UnfusedOptimizer"
     return [
@@ -196,6 +207,10 @@ def steps(out: Path, inputs: dict[str, Path]) -> list[Step]:
              [py, str(REPO / "launch/bench_phases.py"), "--device", "cuda", "--dense-step-receipt",
               str(out / "train-1.7b-bf16/receipts/rank-0.json"), "--out", str(results / "bench-phases.json")],
              180, 45, result=results / "bench-phases.json"),
+        train(UNSYNCED, "train-bf16-powersgd again with NSHARD_PHASE_SYNC=0 (the phase clock neither waits for the "
+              "device nor records events): what the breakdown costs an update", "bf16-powersgd",
+              Expect("powersgd", 0, "bfloat16", unfused, compressed=True, phase_sync=False),
+              env={"NSHARD_PHASE_SYNC": "0"}),
         Step("cuda-tests", "the CUDA test set (tests/test_cuda.py), with the time that is left",
              [py, "-m", "pytest", "-n", "0", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda.py"],
              300, 60, env={"NSHARD_CUDA_TESTS": "1"}),
@@ -270,6 +285,22 @@ def training_checks(expect: Expect, receipt: dict, metrics: list[dict], updates:
         gaps = receipt.get("update_delta_gap") or []
         check(len(gaps) == updates and all(math.isfinite(g) for g in gaps), f"a finite delta gap after each update")
         check(any(g > 0 for g in gaps), "the codec quantized real changes (a gap > 0 after some update)")
+    if cuda:
+        clocked = (receipt.get("phases") or {}).get("synchronized", "")
+        want = "torch.cuda.synchronize()" if expect.phase_sync else "none (NSHARD_PHASE_SYNC=0)"
+        check(clocked.startswith(want), f"phase clock: {want} (receipt: {clocked!r})")
+    phases, detail = receipt.get("update_phases") or [], receipt.get("update_phase_detail") or []
+    check(len(phases) == len(detail) == updates and all(
+        abs(math.fsum(p.values()) - s) <= PHASE_SUM_TOLERANCE * s and min(p.values()) >= 0
+        for s, p in zip(receipt["update_s"], phases)),
+        f"every update's phases sum to its time within {PHASE_SUM_TOLERANCE:.0%}, none negative")
+    if expect.phase_sync:
+        check(all(d[name] <= p[parent] for p, d in zip(phases, detail) for name, parent in DETAIL.items()),
+              "no detail longer than its phase")
+    if expect.compressed and expect.phase_sync:
+        timed = [d for d, c in zip(detail, receipt["update_compressed"]) if c]
+        check(bool(timed) and all(d["powersgd_pq"] > 0 and d["orthogonalize"] > 0 for d in timed),
+              "every compressed update timed its P/Q products and orthogonalization (> 0 s)")
     if expect.experts is not None:
         experts = receipt.get("experts") or {}
         check(experts.get("experts") == expect.experts and (experts.get("layers") or 0) > 0,
@@ -283,6 +314,8 @@ def receipt_summary(receipt: dict) -> dict:
     phases = receipt.get("gpu_memory_by_phase") or {}
     return {"median_dense_update_s": median_updates(receipt, False),
             "median_compressed_update_s": median_updates(receipt, True),
+            "median_phase_s": {kind: (receipt.get("by_phase") or {}).get(kind, {}).get("median_phase_s")
+                               for kind in ("dense", "compressed")},
             "compressed_updates": sum(bool(c) for c in receipt["update_compressed"]),
             "nshard_compressed_calls": ran.get("nshard_compressed_calls"),
             "active_s": receipt.get("active_s"), "startup_s": (receipt.get("startup") or {}).get("s"),
@@ -463,6 +496,19 @@ def overhead(results: dict, compressed_step: str, dense_step: str) -> float | st
     return c / d - 1
 
 
+def clock_overhead(results: dict) -> dict | str:
+    """What the phase breakdown adds to a compressed update on CUDA: train-bf16-powersgd (synchronized phases, event-
+    timed detail) against its twin without either, each its median compressed update."""
+    synced = (results.get("train-bf16-powersgd", {}).get("receipt") or {}).get("median_compressed_update_s")
+    unsynced = (results.get(UNSYNCED, {}).get("receipt") or {}).get("median_compressed_update_s")
+    if not (synced and unsynced):
+        return (f"missing: train-bf16-powersgd ({results.get('train-bf16-powersgd', {}).get('status', 'not run')}) "
+                f"and {UNSYNCED} ({results.get(UNSYNCED, {}).get('status', 'not run')}) both needed")
+    overhead = synced / unsynced - 1
+    return {"synchronized_median_s": synced, "unsynchronized_median_s": unsynced, "overhead": overhead,
+            "bound": CLOCK_BOUND, "within_bound": overhead <= CLOCK_BOUND}
+
+
 def derived(results: dict, plan: list[Step]) -> dict:
     """The figures the check exists for, each a number (or a dict of them) or 'missing: why'."""
     by_name = {s.name: s for s in plan}
@@ -475,6 +521,7 @@ def derived(results: dict, plan: list[Step]) -> dict:
         "zero2_bf16_delta4_update_over_bf16_dense_update_minus_1":
             overhead(results, "train-zero2-bf16-powersgd-delta4", "train-bf16"),
         "memory_1_7b": memory_against_plan(by_name["train-1.7b-bf16"], results),
+        "phase_clock_overhead": clock_overhead(results),
         "phase_share_of_1_7b_dense_bf16_step": shares if isinstance(shares, dict) else
             f"missing: bench-phases-1.7b gave no shares ({shares or results.get('bench-phases-1.7b', {}).get('status', 'not run')})",
     }
@@ -579,7 +626,8 @@ def main(argv=None) -> int:
     else:
         summary["derived"] = derived(summary["steps"], plan)
         summary["total_s"] = round(time.perf_counter() - began, 1)
-    missing = [k for k, v in summary.get("derived", {}).items() if isinstance(v, str)]
+    missing = [k for k, v in summary.get("derived", {}).items() if isinstance(v, str)
+               or (isinstance(v, dict) and v.get("within_bound") is False)]
     failed = [n for n, s in summary["steps"].items() if not s["status"].startswith(("ok", "dry-run"))]
     summary["ok"] = not failed and not missing
     summary["not_ok"] = failed + [f"derived.{k}" for k in missing]

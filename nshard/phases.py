@@ -7,9 +7,15 @@ reducer_compute, and the all-reduce inside DeepSpeed's backward is not forward_b
 that no phase claims, so the phases of an update sum to its time. A detail (DETAIL) is a named part of one phase:
 its time is counted in that phase too, and reported apart.
 
-On CUDA every boundary a running clock crosses first waits for the device (`sync`, set once from the device), so the
-kernels a phase queued are charged to it; on the CPU a boundary costs one perf_counter call and a few list
-operations. When the clock is not running (benchmarks, unit tests, anything outside train()) a boundary is a flag
+On CUDA every phase boundary a running clock crosses first waits for the device (`sync`, set once from the device), so
+the kernels a phase queued are charged to it. The reducer's detail (EVENT_DETAIL: P/Q products, orthogonalization,
+error update, entered once per matrix) is timed there by CUDA events instead, with no wait: each detail boundary
+records an event on the current stream, and stop(), after the loop's closing synchronization, charges the device
+time between consecutive events to the detail open between them. A detail's seconds stay inside its phase's
+synchronized time (they are not taken out of it and added back). On the CPU a boundary costs one perf_counter call
+and a few list operations. NSHARD_PHASE_SYNC=0 drops the waits and the events on CUDA, to measure what they cost
+(launch/gpu_check.py): the update's time stays exact (the loop synchronizes once at its end) but each phase is then
+only the host's time in it. When the clock is not running (benchmarks, unit tests, anything outside train()) a boundary is a flag
 test. One process, one clock: DeepSpeed's hooks may run in autograd's device thread, but only while the training
 thread waits for that backward, so frames never interleave.
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 from typing import Callable
 
@@ -28,6 +35,9 @@ DETAIL = {"powersgd_pq": "reducer_compute", "orthogonalize": "reducer_compute", 
           "parameter_collectives": "collective_wait"}
 """Detail -> the phase it is part of. parameter_collectives is never entered by name: a collective_wait entered while
 parameter_sync is open is counted as it (the all-gather or delta exchange of the weights)."""
+EVENT_DETAIL = ("powersgd_pq", "orthogonalize", "error_update")
+"""The detail timed by CUDA events on a synchronized CUDA clock: entered once per matrix, hundreds of times an update,
+where a wait at each would drain the device's queue each time."""
 WHAT = {
     "forward_backward": "each microbatch's forward, loss and backward (the ingest seam's gradient sums included)",
     "reducer_compute": "the reducer's own compute: nshard's (flattening, PowerSGD's P/Q products, orthogonalization, "
@@ -38,6 +48,18 @@ WHAT = {
     "optimizer_step": "engine.step(): gradient norm, clipping, AdamW, scheduler",
     "parameter_sync": "the parameters' all-gather or delta sync that ends a partitioned step, less its collectives",
     REST: "the update's time no phase claims (building microbatches, the closing synchronization)"}
+
+
+SYNC_VARIABLE = "NSHARD_PHASE_SYNC"
+
+
+def sync_wanted() -> bool:
+    """NSHARD_PHASE_SYNC: 1 (default) synchronizes a CUDA device at every phase boundary, 0 does not."""
+    value = os.environ.get(SYNC_VARIABLE, "1")
+    if value not in ("1", "0"):
+        raise ValueError(f"{SYNC_VARIABLE}={value!r}: set it to 1 (phases wait for the device) or 0 (they do not: "
+                         f"the host's time only), or unset it for 1")
+    return value == "1"
 
 
 class _Frame:
@@ -55,7 +77,7 @@ class _Frame:
 
     def __exit__(self, *exc):
         if self.clock.running:
-            self.clock._exit()
+            self.clock._exit(self.name)
         return False
 
 
@@ -77,7 +99,7 @@ class _Microbatch:
     def __exit__(self, *exc):
         clock = self.clock
         if clock.running:
-            clock._exit()
+            clock._exit("forward_backward")
             clock.microbatch_s.append(clock.total("forward_backward") - self.before)
         return False
 
@@ -87,6 +109,12 @@ class PhaseClock:
 
     def __init__(self, sync: Callable[[], None] | None = None, now: Callable[[], float] = time.perf_counter):
         self.sync, self.now = sync, now
+        self.on_cuda = False
+        self.event: Callable[[], object] | None = None
+        """Makes a timing event (torch.cuda.Event(enable_timing=True)) when EVENT_DETAIL is timed by events."""
+        self._events: list = []  # reused from update to update
+        self._marks: list = []  # [(event, the detail open after it or None)], in order
+        self._detail_stack: list[list] = []  # [name, re-entries] per open event-timed detail
         self.running = False
         self.totals: dict[str, float] = {}
         self.microbatch_s: list[float] = []
@@ -95,10 +123,14 @@ class PhaseClock:
         self._frames: dict[str, _Frame] = {}
 
     def use_device(self, device) -> None:
-        """Wait for the device at every boundary where it runs asynchronously (CUDA); nothing extra elsewhere."""
+        """Wait for the device at every boundary where it runs asynchronously (CUDA), unless NSHARD_PHASE_SYNC=0;
+        nothing extra elsewhere."""
         import torch
 
-        self.sync = torch.cuda.synchronize if str(device).startswith("cuda") else None
+        self.on_cuda = str(device).startswith("cuda")
+        synchronized = self.on_cuda and sync_wanted()
+        self.sync = torch.cuda.synchronize if synchronized else None
+        self.event = (lambda: torch.cuda.Event(enable_timing=True)) if synchronized else None
 
     def phase(self, name: str) -> _Frame:
         frame = self._frames.get(name)
@@ -117,6 +149,7 @@ class PhaseClock:
 
     def start(self) -> None:
         self.totals, self.microbatch_s, self._stack, self._parameter_sync_open = {}, [], [], 0
+        self._marks, self._detail_stack = [], []
         self.running = True
 
     def stop(self, update_s: float) -> dict:
@@ -127,11 +160,48 @@ class PhaseClock:
         phases = {name: self.totals.get(name, 0.0) for name in PHASES}
         detail = {name: self.totals.get(name, 0.0) for name in DETAIL}
         for name, parent in DETAIL.items():
-            phases[parent] += detail[name]
+            phases[parent] += detail[name]  # 0 for event-timed detail: its time never left its phase
+        marks, self._marks, self._detail_stack = self._marks, [], []
+        for (event, name), (after, _) in zip(marks, marks[1:]):
+            if name is not None:  # the device's milliseconds between the two events (the loop has synchronized)
+                detail[name] += event.elapsed_time(after) / 1000
         phases[REST] = update_s - math.fsum(phases.values())
         return {"phases": phases, "detail": detail, "microbatch_s": self.microbatch_s}
 
+    def _mark(self, name: str | None) -> None:
+        """Record an event now on the device's stream; the time until the next one is `name`'s (None: nobody's)."""
+        count = len(self._marks)
+        if count == len(self._events):
+            self._events.append(self.event())
+        event = self._events[count]
+        event.record()
+        self._marks.append((event, name))
+
+    def _enter_detail(self, name: str) -> None:
+        stack = self._detail_stack
+        if stack and stack[-1][0] == name:
+            stack[-1][1] += 1
+            return
+        stack.append([name, 0])
+        self._mark(name)
+
+    def _exit_detail(self) -> None:
+        stack = self._detail_stack
+        if not stack:
+            return
+        if stack[-1][1]:
+            stack[-1][1] -= 1
+            return
+        stack.pop()
+        self._mark(stack[-1][0] if stack else None)
+
     def _enter(self, name: str) -> None:
+        if self.event is not None:
+            if name in EVENT_DETAIL:
+                self._enter_detail(name)
+                return
+            if self._detail_stack:  # a phase inside a detail: its time is the phase's, not the detail's
+                self._mark(None)
         stack = self._stack
         if name == "collective_wait" and self._parameter_sync_open:
             name = "parameter_collectives"
@@ -148,7 +218,10 @@ class PhaseClock:
             self._parameter_sync_open += 1
         stack.append([name, now, 0])
 
-    def _exit(self) -> None:
+    def _exit(self, name: str) -> None:
+        if self.event is not None and name in EVENT_DETAIL:
+            self._exit_detail()
+            return
         stack = self._stack
         if not stack:
             return
@@ -165,6 +238,8 @@ class PhaseClock:
             self._parameter_sync_open -= 1
         if stack:
             stack[-1][1] = now
+        if self._detail_stack:  # back inside the detail the phase interrupted
+            self._mark(self._detail_stack[-1][0])
 
 
 CLOCK = PhaseClock()

@@ -241,7 +241,7 @@ def test_the_link_counter_says_when_it_cannot_count(monkeypatch, tmp_path):
 
 GPU_CHECK_STEPS = ["environment", "reducers-two-processes", "train-bf16-powersgd", "train-zero2-bf16-powersgd-delta4",
                    "train-zero1-fp32-powersgd-error-sums", "train-mixtral-zero2-powersgd", "train-fp32", "train-bf16",
-                   "train-1.7b-bf16", "bench-phases-1.7b", "cuda-tests"]
+                   "train-1.7b-bf16", "bench-phases-1.7b", "train-bf16-powersgd-unsynced", "cuda-tests"]
 
 
 def gpu_check():
@@ -265,7 +265,10 @@ def test_the_gpu_check_lists_and_checks_every_step_in_a_dry_run(tmp_path):
     assert {s["status"] for s in steps.values()} == {gpu_check().DRY}
     assert all(f"gpu_check: {name}: " in proc.stderr for name in steps)
     training = {n: s["checked"] for n, s in steps.items() if n.startswith("train-")}
-    assert len(training) == 7 and all(c["memory_plan"]["fits"] and c["updates"] > 2 for c in training.values())
+    assert len(training) == 8 and all(c["memory_plan"]["fits"] and c["updates"] > 2 for c in training.values())
+    assert steps["train-bf16-powersgd-unsynced"]["env"] == {"NSHARD_PHASE_SYNC": "0"}
+    twin, synced = steps["train-bf16-powersgd-unsynced"]["command"], steps["train-bf16-powersgd"]["command"]
+    assert twin[5:10] == synced[5:10] and "--ds_config" in twin[5:10]  # the same trainer, ds_config and plan
     assert training["train-mixtral-zero2-powersgd"]["model"] == "random:mixtral-4x135m"
     assert training["train-1.7b-bf16"]["model"] == "random:smollm2-1.7b"
     assert "H200" in training["train-1.7b-bf16"]["memory_plan"]["device"]
@@ -279,6 +282,28 @@ def test_the_gpu_check_lists_and_checks_every_step_in_a_dry_run(tmp_path):
     assert configs["zero2-bf16-powersgd-delta4.json"]["nshard"]["delta_bits"] == 4
 
 
+def phase_split(update_s: float, compressed: bool) -> dict:
+    """A PhaseClock's split of one update, as the trainer records it: a microbatch, the reducer (its P/Q products and
+    orthogonalization when compressed), the optimizer step."""
+    from nshard.phases import PhaseClock
+
+    now = [0.0]
+    clock = PhaseClock(now=lambda: now[0])
+    clock.start()
+    with clock.microbatch():
+        now[0] = 0.6 * update_s
+    with clock.phase("reducer_compute"):
+        if compressed:
+            with clock.phase("powersgd_pq"):
+                now[0] += 0.1 * update_s
+            with clock.phase("orthogonalize"):
+                now[0] += 0.05 * update_s
+        now[0] += 0.05 * update_s
+    with clock.phase("optimizer_step"):
+        now[0] += 0.1 * update_s
+    return clock.stop(update_s)
+
+
 def powersgd_receipt(tmp_path, compressed: list[bool]) -> dict:
     """A one-rank PowerSGD receipt as the trainer writes it (Receipt.finish, training.reduction_ran), from a ledger
     with these updates compressed or not."""
@@ -289,7 +314,7 @@ def powersgd_receipt(tmp_path, compressed: list[bool]) -> dict:
 
     receipt, ledger = Receipt(0, 1), ByteLedger()
     for update, flag in enumerate(compressed):
-        receipt.record_update(0.5, 1000, 0, flag)
+        receipt.record_update(0.5, 1000, 0, flag, timing=phase_split(0.5, flag))
         ledger.record(update, flag, dense=1000)
     receipt.where_and_link = {"link": {"backend": "gloo"}}
     extra = {"zero_stage": 0, "reducer": "powersgd", "device": "cpu", "precision": {"compute": "bfloat16"},
@@ -316,6 +341,49 @@ def test_a_gpu_check_step_about_compression_fails_without_a_compressed_update(tm
         dense, powersgd_receipt(tmp_path, [False, False, True, True]), metrics, 4, cuda=False)[1])
 
 
+def test_a_gpu_check_training_step_fails_phases_that_do_not_add_up_or_a_clock_that_did_not_wait(tmp_path):
+    """The phase checks of a training step: each update's phases sum to its time and none is negative, every
+    compressed update timed its P/Q products and orthogonalization, and on CUDA the clock waited for the device (or,
+    in the unsynchronized twin, did not)."""
+    check = gpu_check()
+    expect = check.Expect("powersgd", 0, "bfloat16", "FP16_UnfusedOptimizer", compressed=True)
+    metrics = [{"update": i + 1, "loss": 1.0} for i in range(4)]
+    receipt = powersgd_receipt(tmp_path, [False, False, True, True])
+    assert check.training_checks(expect, receipt, metrics, 4, cuda=False)[1] == []
+    broken = json.loads(json.dumps(receipt))
+    broken["update_phases"][1]["optimizer_step"] += 0.1  # 20% more than the update's time
+    broken["update_phase_detail"][3]["orthogonalize"] = 0.0
+    failed = check.training_checks(expect, broken, metrics, 4, cuda=False)[1]
+    assert any("phases sum to its time within 2%" in f for f in failed)
+    assert any("timed its P/Q products and orthogonalization" in f for f in failed)
+    broken = json.loads(json.dumps(receipt))
+    broken["update_phase_detail"][2]["powersgd_pq"] = 1.0  # longer than reducer_compute
+    assert any("no detail longer than its phase" in f for f in check.training_checks(expect, broken, metrics, 4,
+                                                                                       cuda=False)[1])
+    on_cuda = {**receipt, "device": "cuda:0", "link": {"backend": "nccl"}, "peak_allocated_bytes": 1}
+    clock = "torch.cuda.synchronize() at every phase boundary; the reducer's detail ..."
+    on_cuda["phases"] = {**receipt["phases"], "synchronized": clock}
+    assert check.training_checks(expect, on_cuda, metrics, 4)[1] == []
+    unsynced = check.Expect("powersgd", 0, "bfloat16", "FP16_UnfusedOptimizer", compressed=True, phase_sync=False)
+    assert any("phase clock: none (NSHARD_PHASE_SYNC=0)" in f
+               for f in check.training_checks(unsynced, on_cuda, metrics, 4)[1])
+    on_cuda["phases"] = {**receipt["phases"], "synchronized": "no device synchronization (the CPU)"}
+    assert any("phase clock: torch.cuda.synchronize()" in f for f in check.training_checks(expect, on_cuda, metrics, 4)[1])
+
+
+def test_gpu_check_derives_the_phase_clocks_cost_and_fails_it_over_one_percent():
+    check = gpu_check()
+    twins = lambda synced, unsynced: {  # noqa: E731
+        "train-bf16-powersgd": {"status": "ok", "receipt": {"median_compressed_update_s": synced}},
+        check.UNSYNCED: {"status": "ok", "receipt": {"median_compressed_update_s": unsynced}}}
+    assert check.clock_overhead(twins(0.2, 0.2)) == {"synchronized_median_s": 0.2, "unsynchronized_median_s": 0.2,
+                                                     "overhead": 0.0, "bound": 0.01, "within_bound": True}
+    over = check.clock_overhead(twins(0.203, 0.2))
+    assert over["overhead"] == pytest.approx(0.015) and over["within_bound"] is False
+    assert check.clock_overhead({}).startswith("missing: train-bf16-powersgd (not run) and "
+                                               "train-bf16-powersgd-unsynced (not run) both needed")
+
+
 def test_gpu_check_derived_figures_say_why_they_are_missing():
     check = gpu_check()
     plan = check.steps(Path("/nonexistent"), {k: Path(f"/nonexistent/{k}") for k in (
@@ -331,6 +399,7 @@ def test_gpu_check_derived_figures_say_why_they_are_missing():
     assert derived["zero1_fp32_powersgd_update_over_fp32_dense_update_minus_1"] == pytest.approx(0.5)
     assert derived["memory_1_7b"] == "missing: train-1.7b-bf16 did not pass (not run)"
     assert derived["phase_share_of_1_7b_dense_bf16_step"].startswith("missing: bench-phases-1.7b gave no shares")
+    assert derived["phase_clock_overhead"].startswith("missing: train-bf16-powersgd (failed: exit 1)")
     assert None not in derived.values()
 
 

@@ -88,6 +88,58 @@ def test_details_count_in_their_phase_and_a_collective_in_the_parameter_sync_is_
     assert set(DETAIL.values()) <= set(PHASES)
 
 
+class FakeEvent:
+    """torch.cuda.Event's stand-in: record() reads the fake time, elapsed_time() is in milliseconds."""
+
+    def __init__(self, now: FakeTime):
+        self.now, self.t = now, None
+
+    def record(self) -> None:
+        self.t = self.now.t
+
+    def elapsed_time(self, later: "FakeEvent") -> float:
+        return (later.t - self.t) * 1000
+
+
+def reducer_timeline(clock: PhaseClock, now: FakeTime) -> dict:
+    """One update: a reducer phase whose detail alternates per matrix, with a collective inside one P product."""
+    clock.start()
+    with clock.phase("reducer_compute"):
+        now.t = 1.0
+        for _ in range(2):
+            with clock.phase("powersgd_pq"):
+                now.t += 1.0
+                with clock.phase("powersgd_pq"):  # a detail inside itself: one
+                    now.t += 0.5
+            with clock.phase("error_update"):
+                now.t += 0.25
+        with clock.phase("powersgd_pq"):
+            now.t += 1.0
+            with clock.phase("collective_wait"):
+                now.t += 4.0
+            now.t += 1.0
+        with clock.phase("orthogonalize"):
+            now.t += 2.0
+        now.t += 1.0
+    return clock.stop(now.t + 1.0)
+
+
+def test_on_cuda_the_reducer_detail_is_timed_by_events_without_a_wait_and_gives_the_hosts_figures():
+    host, host_now, _ = clock_with_fake_time()
+    events, now, syncs = clock_with_fake_time()
+    made = []
+    events.event = lambda: made.append(FakeEvent(now)) or made[-1]
+    by_host, by_events = reducer_timeline(host, host_now), reducer_timeline(events, now)
+    assert by_events == by_host
+    assert by_events["detail"] == {"powersgd_pq": 5.0, "orthogonalize": 2.0, "error_update": 0.5,
+                                   "parameter_collectives": 0.0}
+    assert by_events["phases"]["reducer_compute"] == 9.5 and by_events["phases"]["collective_wait"] == 4.0
+    assert syncs == [0.0, 5.5, 9.5, 13.5]  # only the phases' boundaries waited; the detail's recorded events
+    assert len(made) == 14  # one per detail boundary, plus one each side of the collective inside a detail
+    now.t = 0.0
+    assert reducer_timeline(events, now) == by_host and len(made) == 14  # the events are reused
+
+
 def test_each_microbatch_keeps_its_own_forward_backward():
     clock, now, _ = clock_with_fake_time()
     clock.start()
@@ -111,9 +163,27 @@ def test_a_stopped_clock_costs_no_wait_and_records_nothing_and_a_misspelt_phase_
     with pytest.raises(ValueError, match=r"phase 'collective': use one of forward_backward, .*parameter_sync"):
         clock.phase("collective")
     clock.use_device(torch.device("cpu"))
-    assert clock.sync is None
+    assert clock.sync is None and clock.event is None
     clock.use_device(torch.device("cuda", 0))
-    assert clock.sync is torch.cuda.synchronize  # set, not called
+    assert clock.sync is torch.cuda.synchronize and clock.event is not None  # set, not called
+
+
+def test_nshard_phase_sync_0_takes_the_waits_and_events_away_on_cuda_and_another_value_is_refused(monkeypatch):
+    from nshard.run.receipts import synchronized
+
+    clock = PhaseClock()
+    monkeypatch.setenv("NSHARD_PHASE_SYNC", "0")
+    clock.use_device(torch.device("cuda", 0))
+    assert clock.sync is None and clock.event is None and clock.on_cuda
+    assert synchronized(clock).startswith("none (NSHARD_PHASE_SYNC=0)")
+    clock.use_device(torch.device("cpu"))
+    assert synchronized(clock) == "no device synchronization (the CPU)"
+    monkeypatch.setenv("NSHARD_PHASE_SYNC", "yes")
+    with pytest.raises(ValueError, match=r"NSHARD_PHASE_SYNC='yes': set it to 1 .* or 0"):
+        clock.use_device(torch.device("cuda", 0))
+    monkeypatch.delenv("NSHARD_PHASE_SYNC")
+    clock.use_device(torch.device("cuda", 0))
+    assert synchronized(clock).startswith("torch.cuda.synchronize() at every phase boundary; the reducer's detail")
 
 
 def _powersgd_phases(rank: int, world: int) -> list[dict]:

@@ -264,13 +264,25 @@ def phase_medians(phases: list[dict], detail: list[dict]) -> dict:
             "largest_phase": max(medians, key=medians.get)}
 
 
+def synchronized(clock) -> str:
+    """How the clock met the device: waited at every boundary, or not (the CPU, or CUDA with NSHARD_PHASE_SYNC=0)."""
+    from nshard.phases import SYNC_VARIABLE
+
+    if clock.sync is not None:
+        return ("torch.cuda.synchronize() at every phase boundary; the reducer's detail (powersgd_pq, orthogonalize, "
+                "error_update) by CUDA events on the stream, without a wait")
+    if clock.on_cuda:
+        return (f"none ({SYNC_VARIABLE}=0): each phase is the host's time in it; the update's time is exact (one "
+                f"synchronization at its end)")
+    return "no device synchronization (the CPU)"
+
+
 def phases_record() -> dict:
     """For the receipt: what each phase holds and how it was clocked."""
     from nshard.phases import CLOCK, DETAIL, PHASES, REST, WHAT
 
     return {"order": [*PHASES, REST], "what": WHAT, "detail_of": DETAIL,
-            "synchronized": "torch.cuda.synchronize() at every phase boundary" if CLOCK.sync is not None
-            else "no device synchronization (the CPU)",
+            "synchronized": synchronized(CLOCK),
             "exclusive": "a phase entered inside another is taken out of it; rest is what no phase claims, so "
                          "the phases sum to update_s"}
 
