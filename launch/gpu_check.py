@@ -42,8 +42,10 @@ CLOCK_BOUND = 0.01
 """What the phase breakdown may add to an update on CUDA (issue 38): its synchronized median compressed update over the
 unsynchronized twin's, minus one."""
 PHASE_SUM_TOLERANCE = 0.02
-"""Each update's phases sum to its time within this share (rest is what no phase claims, so this checks the receipt's
-arithmetic and that no phase is negative beyond it)."""
+"""Each update's phases, rest included, sum to its time within this share (the receipt's arithmetic)."""
+REST_BOUND = 0.10
+"""On a synchronized clock the named phases claim all but this share of every update: `rest` (building microbatches,
+the closing wait) stays below it, so a phase clock that misses where the time goes fails the step."""
 TARGET_GPU = "H200"
 """The GPU the check is sized for: the dry run asks the memory model whether every training step fits one."""
 
@@ -189,6 +191,10 @@ def steps(out: Path, inputs: dict[str, Path]) -> list[Step]:
              150, 40, result=results / "reducers.json"),
         train("train-bf16-powersgd", "bf16 stage 0 through nshard's PowerSGD (ingest seam, HandOver)", "bf16-powersgd",
               Expect("powersgd", 0, "bfloat16", unfused, compressed=True)),
+        train(UNSYNCED, "train-bf16-powersgd again with NSHARD_PHASE_SYNC=0 (the phase clock neither waits for the "
+              "device nor records events): what the breakdown costs an update", "bf16-powersgd",
+              Expect("powersgd", 0, "bfloat16", unfused, compressed=True, phase_sync=False),
+              env={"NSHARD_PHASE_SYNC": "0"}),
         train("train-zero2-bf16-powersgd-delta4", "ZeRO-2 bf16 PowerSGD (partition writer) with 4-bit delta sync",
               "zero2-bf16-powersgd-delta4", Expect("powersgd", 2, "bfloat16", zero, compressed=True, delta_bits=4)),
         train("train-zero1-fp32-powersgd-error-sums", "ZeRO-1 fp32 PowerSGD, microbatch_sums = \"error\" (SummedUpdate)",
@@ -207,10 +213,6 @@ def steps(out: Path, inputs: dict[str, Path]) -> list[Step]:
              [py, str(REPO / "launch/bench_phases.py"), "--device", "cuda", "--dense-step-receipt",
               str(out / "train-1.7b-bf16/receipts/rank-0.json"), "--out", str(results / "bench-phases.json")],
              180, 45, result=results / "bench-phases.json"),
-        train(UNSYNCED, "train-bf16-powersgd again with NSHARD_PHASE_SYNC=0 (the phase clock neither waits for the "
-              "device nor records events): what the breakdown costs an update", "bf16-powersgd",
-              Expect("powersgd", 0, "bfloat16", unfused, compressed=True, phase_sync=False),
-              env={"NSHARD_PHASE_SYNC": "0"}),
         Step("cuda-tests", "the CUDA test set (tests/test_cuda.py), with the time that is left",
              [py, "-m", "pytest", "-n", "0", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda.py"],
              300, 60, env={"NSHARD_CUDA_TESTS": "1"}),
@@ -295,6 +297,9 @@ def training_checks(expect: Expect, receipt: dict, metrics: list[dict], updates:
         for s, p in zip(receipt["update_s"], phases)),
         f"every update's phases sum to its time within {PHASE_SUM_TOLERANCE:.0%}, none negative")
     if expect.phase_sync:
+        rest = max((p.get("rest", 0) / s for s, p in zip(receipt["update_s"], phases) if s > 0), default=None)
+        check(rest is not None and rest <= REST_BOUND, f"the named phases claim all but at most {REST_BOUND:.0%} of "
+              f"every update (largest rest: {'none' if rest is None else f'{rest:.1%}'})")
         check(all(d[name] <= p[parent] for p, d in zip(phases, detail) for name, parent in DETAIL.items()),
               "no detail longer than its phase")
     if expect.compressed and expect.phase_sync:
@@ -314,6 +319,7 @@ def receipt_summary(receipt: dict) -> dict:
     phases = receipt.get("gpu_memory_by_phase") or {}
     return {"median_dense_update_s": median_updates(receipt, False),
             "median_compressed_update_s": median_updates(receipt, True),
+            "compressed_update_s": [s for s, c in zip(receipt["update_s"], receipt["update_compressed"]) if c],
             "median_phase_s": {kind: (receipt.get("by_phase") or {}).get(kind, {}).get("median_phase_s")
                                for kind in ("dense", "compressed")},
             "compressed_updates": sum(bool(c) for c in receipt["update_compressed"]),
@@ -505,8 +511,21 @@ def clock_overhead(results: dict) -> dict | str:
         return (f"missing: train-bf16-powersgd ({results.get('train-bf16-powersgd', {}).get('status', 'not run')}) "
                 f"and {UNSYNCED} ({results.get(UNSYNCED, {}).get('status', 'not run')}) both needed")
     overhead = synced / unsynced - 1
+    # How far a median of these few updates may sit from the truth: each step's median absolute deviation of its
+    # compressed updates over its median, the larger of the two. The bound is decided only past it.
+    noise = max(spread(results, name) for name in ("train-bf16-powersgd", UNSYNCED))
+    verdict = ("within" if overhead + noise <= CLOCK_BOUND else "over" if overhead - noise > CLOCK_BOUND
+               else "undecided: the difference is within the updates' spread")
     return {"synchronized_median_s": synced, "unsynchronized_median_s": unsynced, "overhead": overhead,
-            "bound": CLOCK_BOUND, "within_bound": overhead <= CLOCK_BOUND}
+            "spread": noise, "bound": CLOCK_BOUND, "verdict": verdict}
+
+
+def spread(results: dict, step: str) -> float:
+    times = (results.get(step, {}).get("receipt") or {}).get("compressed_update_s") or []
+    if len(times) < 2:
+        return 0.0
+    middle = statistics.median(times)
+    return statistics.median(abs(x - middle) for x in times) / middle
 
 
 def derived(results: dict, plan: list[Step]) -> dict:
@@ -627,7 +646,7 @@ def main(argv=None) -> int:
         summary["derived"] = derived(summary["steps"], plan)
         summary["total_s"] = round(time.perf_counter() - began, 1)
     missing = [k for k, v in summary.get("derived", {}).items() if isinstance(v, str)
-               or (isinstance(v, dict) and v.get("within_bound") is False)]
+               or (isinstance(v, dict) and v.get("verdict") == "over")]
     failed = [n for n, s in summary["steps"].items() if not s["status"].startswith(("ok", "dry-run"))]
     summary["ok"] = not failed and not missing
     summary["not_ok"] = failed + [f"derived.{k}" for k in missing]

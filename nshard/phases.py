@@ -77,7 +77,7 @@ class _Frame:
 
     def __exit__(self, *exc):
         if self.clock.running:
-            self.clock._exit(self.name)
+            self.clock._exit()
         return False
 
 
@@ -99,7 +99,7 @@ class _Microbatch:
     def __exit__(self, *exc):
         clock = self.clock
         if clock.running:
-            clock._exit("forward_backward")
+            clock._exit()
             clock.microbatch_s.append(clock.total("forward_backward") - self.before)
         return False
 
@@ -114,7 +114,7 @@ class PhaseClock:
         """Makes a timing event (torch.cuda.Event(enable_timing=True)) when EVENT_DETAIL is timed by events."""
         self._events: list = []  # reused from update to update
         self._marks: list = []  # [(event, the detail open after it or None)], in order
-        self._detail_stack: list[list] = []  # [name, re-entries] per open event-timed detail
+        self._detail_stack: list[list] = []  # [detail, re-entries], or [None, 0] for a host frame; innermost last
         self.running = False
         self.totals: dict[str, float] = {}
         self.microbatch_s: list[float] = []
@@ -177,31 +177,48 @@ class PhaseClock:
         event.record()
         self._marks.append((event, name))
 
-    def _enter_detail(self, name: str) -> None:
-        stack = self._detail_stack
-        if stack and stack[-1][0] == name:
-            stack[-1][1] += 1
-            return
-        stack.append([name, 0])
-        self._mark(name)
+    def _target(self) -> str | None:
+        """The event-timed detail the device's time now goes to (None: none is innermost)."""
+        return self._detail_stack[-1][0] if self._detail_stack else None
 
-    def _exit_detail(self) -> None:
+    def _enter_events(self, name: str) -> bool:
+        """On a clock with events: True when `name` is an event-timed detail and was entered here; else the host
+        frame about to open is pushed as a placeholder, which stops the open detail's time until it closes."""
+        stack, top = self._detail_stack, self._target()
+        # A detail is timed by events only directly inside its own phase (or inside another detail there); elsewhere
+        # (inside a collective, outside any phase) it takes the host's path, as on the CPU, so both count it alike.
+        if name in EVENT_DETAIL and self._stack and self._stack[-1][0] == DETAIL[name]:
+            if top == name:
+                stack[-1][1] += 1  # a detail inside itself: one
+            else:
+                stack.append([name, 0])
+                self._mark(name)
+            return True
+        stack.append([None, 0])
+        if top is not None:
+            self._mark(None)
+        return False
+
+    def _exit_events(self) -> bool:
+        """On a clock with events: True when an event-timed detail was closed here; else the placeholder of the
+        host frame about to close is popped, and the caller closes the frame."""
         stack = self._detail_stack
         if not stack:
-            return
-        if stack[-1][1]:
-            stack[-1][1] -= 1
-            return
-        stack.pop()
-        self._mark(stack[-1][0] if stack else None)
+            return False
+        top = stack[-1]
+        if top[0] is None:
+            stack.pop()
+            return False
+        if top[1]:
+            top[1] -= 1
+        else:
+            stack.pop()
+            self._mark(self._target())
+        return True
 
     def _enter(self, name: str) -> None:
-        if self.event is not None:
-            if name in EVENT_DETAIL:
-                self._enter_detail(name)
-                return
-            if self._detail_stack:  # a phase inside a detail: its time is the phase's, not the detail's
-                self._mark(None)
+        if self.event is not None and self._enter_events(name):
+            return
         stack = self._stack
         if name == "collective_wait" and self._parameter_sync_open:
             name = "parameter_collectives"
@@ -218,10 +235,15 @@ class PhaseClock:
             self._parameter_sync_open += 1
         stack.append([name, now, 0])
 
-    def _exit(self, name: str) -> None:
-        if self.event is not None and name in EVENT_DETAIL:
-            self._exit_detail()
-            return
+    def _exit(self) -> None:
+        if self.event is None:
+            self._exit_host()
+        elif not self._exit_events():
+            self._exit_host()
+            if self._target() is not None:  # back inside the detail the host frame interrupted
+                self._mark(self._target())
+
+    def _exit_host(self) -> None:
         stack = self._stack
         if not stack:
             return
@@ -238,9 +260,6 @@ class PhaseClock:
             self._parameter_sync_open -= 1
         if stack:
             stack[-1][1] = now
-        if self._detail_stack:  # back inside the detail the phase interrupted
-            self._mark(self._detail_stack[-1][0])
-
 
 CLOCK = PhaseClock()
 """This process's clock (the training loop starts and stops it)."""

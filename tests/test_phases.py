@@ -124,6 +124,61 @@ def reducer_timeline(clock: PhaseClock, now: FakeTime) -> dict:
     return clock.stop(now.t + 1.0)
 
 
+def nested_timelines():
+    """Updates whose detail nests in every way the clock allows: (name, steps), each step ("in", name), ("out",) or
+    ("tick", seconds)."""
+    def frame(name, *inner):
+        return [("in", name), *inner, ("out",)]
+
+    tick = ("tick", 1.0)
+    return {
+        "a phase re-entered inside a detail": frame("reducer_compute", tick, frame(
+            "powersgd_pq", tick, frame("reducer_compute", tick), tick), tick),
+        "another detail inside a collective inside a detail": frame("reducer_compute", frame(
+            "powersgd_pq", tick, frame("collective_wait", tick, frame("error_update", tick), tick), tick)),
+        "the same detail inside a collective inside it": frame("reducer_compute", frame(
+            "powersgd_pq", tick, frame("collective_wait", tick, frame("powersgd_pq", tick), tick), tick)),
+        "a detail outside its phase": frame("forward_backward", tick, frame("powersgd_pq", tick), tick),
+        "a detail with no phase open": frame("orthogonalize", tick),
+        "a detail inside another": frame("reducer_compute", frame(
+            "orthogonalize", tick, frame("powersgd_pq", tick, frame("powersgd_pq", tick)), tick), tick),
+    }
+
+
+def play(clock: PhaseClock, now: FakeTime, steps) -> dict:
+    now.t = 0.0
+    clock.start()
+    frames = []
+
+    def run(step):
+        if isinstance(step, list):
+            for s in step:
+                run(s)
+        elif step[0] == "in":
+            frames.append(clock.phase(step[1]))
+            frames[-1].__enter__()
+        elif step[0] == "out":
+            frames.pop().__exit__(None, None, None)
+        else:
+            now.t += step[1]
+
+    run(steps)
+    return clock.stop(now.t + 1.0)
+
+
+@pytest.mark.parametrize("name", list(nested_timelines()))
+def test_event_timed_detail_counts_every_nesting_as_the_host_does(name):
+    steps = nested_timelines()[name]
+    host, host_now, _ = clock_with_fake_time()
+    events, now, _ = clock_with_fake_time()
+    events.event = lambda: FakeEvent(now)
+    by_host, by_events = play(host, host_now, steps), play(events, now, steps)
+    assert by_events == by_host, name
+    assert events._detail_stack == [] and events._stack == []
+    for detail, parent in DETAIL.items():
+        assert by_events["detail"][detail] <= by_events["phases"][parent], (name, detail)
+
+
 def test_on_cuda_the_reducer_detail_is_timed_by_events_without_a_wait_and_gives_the_hosts_figures():
     host, host_now, _ = clock_with_fake_time()
     events, now, syncs = clock_with_fake_time()

@@ -22,7 +22,7 @@ from nshard.run import device as device_mod
 from nshard.seam import engine as engine_mod
 from nshard.seam import patches
 from nshard.run import netcount
-from nshard.phases import CLOCK
+from nshard.phases import CLOCK, sync_wanted
 from nshard.run import throughput
 from nshard.seam import observe
 from nshard.run import state as state_mod
@@ -439,6 +439,11 @@ def train_owned(run: Run, overwrite: bool, resume_from: state_mod.ResumePoint | 
 
     # Before any CUDA kernel runs: cuBLAS reads its workspace setting when it starts.
     determinism = device_mod.apply_determinism(run.plan.checkpoint.deterministic_cuda, device_mod.cuda_available())
+    if device_mod.cuda_available():
+        try:
+            sync_wanted()  # NSHARD_PHASE_SYNC, read by the phase clock on CUDA: refused before anything is written
+        except ValueError as exc:
+            raise RunError(str(exc)) from None
     gpu_peaks = GpuPeaks()
     gpu_peaks.start()
 
