@@ -146,10 +146,12 @@ def wandb_history(path: Path) -> list[dict]:
 
 def test_wandb_offline_holds_exactly_the_metrics_values(tmp_path):
     pytest.importorskip("wandb", reason="wandb is not installed (pip install -e .[monitors])")
-    out, wandb_dir = tmp_path / "run", tmp_path / "wandb-dir"
+    out, wandb_dir, scratch = tmp_path / "run", tmp_path / "wandb-dir", tmp_path / "tmp"
     wandb_dir.mkdir()
+    scratch.mkdir()  # wandb makes its media and artifact folders in the temporary directory and leaves them there
     config = {**tiny_config(), "wandb": {"enabled": True, "project": "nshard-test"}}
-    launch(out, config, world=1, env={"WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir), "WANDB_SILENT": "true"})
+    launch(out, config, world=1, env={"WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir), "WANDB_SILENT": "true",
+                                      "TMPDIR": str(scratch)})
     [path] = list(wandb_dir.glob("wandb/offline-run-*/run-*.wandb"))
     history = wandb_history(path)
     assert [row["_step"] for row in history] == samples(out)
