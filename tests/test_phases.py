@@ -383,9 +383,11 @@ def test_powersgd_updates_spend_time_in_the_reducer_and_collectives_and_one_dens
     for r in receipts(phase_runs["ds-one"]):
         for update_s, phases in zip(r["update_s"], r["update_phases"]):
             # One rank: DeepSpeed's all-reduce is a copy at most; its bucketing around it is the reducer's compute.
-            # The tiny model's update takes tens of milliseconds, so 5% of it is a few: a loaded machine's scheduler
-            # may stretch the copy past that, hence the 10 ms floor (a wait on a peer would take far longer).
-            assert phases["collective_wait"] <= max(0.05 * update_s, 0.010) and phases["parameter_sync"] == 0, phases
+            # Bounded against the same update's forward and backward, not in seconds: on a loaded machine the
+            # scheduler stretched the copy to 4.6 ms and 10.4 ms of tiny updates in two suite runs; a backward
+            # counted as waiting (the attribution this guards) would put the wait above the compute.
+            assert phases["collective_wait"] <= 0.25 * phases["forward_backward"], phases
+            assert phases["parameter_sync"] == 0, phases
             assert phases["reducer_compute"] > 0, phases
 
 
