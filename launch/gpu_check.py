@@ -222,8 +222,12 @@ def steps(out: Path, inputs: dict[str, Path]) -> list[Step]:
 # ---------------------------------------------------------------- what each step must show
 
 
+def update_times(receipt: dict, compressed: bool) -> list[float]:
+    return [s for s, c in zip(receipt["update_s"], receipt["update_compressed"]) if c == compressed]
+
+
 def median_updates(receipt: dict, compressed: bool) -> float | None:
-    times = [s for s, c in zip(receipt["update_s"], receipt["update_compressed"]) if c == compressed]
+    times = update_times(receipt, compressed)
     return statistics.median(times) if times else None
 
 
@@ -319,7 +323,7 @@ def receipt_summary(receipt: dict) -> dict:
     phases = receipt.get("gpu_memory_by_phase") or {}
     return {"median_dense_update_s": median_updates(receipt, False),
             "median_compressed_update_s": median_updates(receipt, True),
-            "compressed_update_s": [s for s, c in zip(receipt["update_s"], receipt["update_compressed"]) if c],
+            "compressed_update_s": update_times(receipt, True),
             "median_phase_s": {kind: (receipt.get("by_phase") or {}).get(kind, {}).get("median_phase_s")
                                for kind in ("dense", "compressed")},
             "compressed_updates": sum(bool(c) for c in receipt["update_compressed"]),

@@ -15,9 +15,9 @@ time between consecutive events to the detail open between them. A detail's seco
 synchronized time (they are not taken out of it and added back). On the CPU a boundary costs one perf_counter call
 and a few list operations. NSHARD_PHASE_SYNC=0 drops the waits and the events on CUDA, to measure what they cost
 (launch/gpu_check.py): the update's time stays exact (the loop synchronizes once at its end) but each phase is then
-only the host's time in it. When the clock is not running (benchmarks, unit tests, anything outside train()) a boundary is a flag
-test. One process, one clock: DeepSpeed's hooks may run in autograd's device thread, but only while the training
-thread waits for that backward, so frames never interleave.
+only the host's time in it. When the clock is not running (benchmarks, unit tests, anything outside train()) a
+boundary is a flag test. One process, one clock: DeepSpeed's hooks may run in autograd's device thread, but only
+while the training thread waits for that backward, so frames never interleave.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class PhaseClock:
         phases = {name: self.totals.get(name, 0.0) for name in PHASES}
         detail = {name: self.totals.get(name, 0.0) for name in DETAIL}
         for name, parent in DETAIL.items():
-            phases[parent] += detail[name]  # 0 for event-timed detail: its time never left its phase
+            phases[parent] += detail[name]  # what the host timed; event-timed detail never left its phase
         marks, self._marks, self._detail_stack = self._marks, [], []
         for (event, name), (after, _) in zip(marks, marks[1:]):
             if name is not None:  # the device's milliseconds between the two events (the loop has synchronized)
@@ -260,6 +260,7 @@ class PhaseClock:
             self._parameter_sync_open -= 1
         if stack:
             stack[-1][1] = now
+
 
 CLOCK = PhaseClock()
 """This process's clock (the training loop starts and stops it)."""
