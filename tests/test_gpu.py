@@ -91,11 +91,14 @@ def test_replay_answers_are_cached_per_device_kind_and_dtype():
 
     ref = resolve_model("tiny")
     old_key = json.dumps([ref.sha256, replay.GENERAL_PROMPTS[:4], replay.MAX_NEW_TOKENS])
-    cpu = replay._cache_path(ref, 4, device.CPU_FP32)
+    four = replay.GENERAL_PROMPTS[:4]
+    cpu = replay._cache_path(ref, four, device.CPU_FP32)
     assert cpu.name == f"{hashlib.sha256(old_key.encode()).hexdigest()[:24]}.jsonl"
-    gpu0 = replay._cache_path(ref, 4, device.Placement("cuda:0", "bfloat16"))
-    assert gpu0 == replay._cache_path(ref, 4, device.Placement("cuda:3", "bfloat16"))
-    assert len({cpu, gpu0, replay._cache_path(ref, 4, device.Placement("cuda:0", "float32"))}) == 3
+    gpu0 = replay._cache_path(ref, four, device.Placement("cuda:0", "bfloat16"))
+    assert gpu0 == replay._cache_path(ref, four, device.Placement("cuda:3", "bfloat16"))
+    assert len({cpu, gpu0, replay._cache_path(ref, four, device.Placement("cuda:0", "float32"))}) == 3
+    # held-out answers of the same prompts would never share the replay's cache file
+    assert replay._cache_path(ref, four, device.CPU_FP32, "heldout") != cpu
 
 
 def test_determinism_is_set_on_cuda_when_asked_and_recorded(monkeypatch):

@@ -58,7 +58,10 @@ class DataSection:
     replay_file: str = ""
     """JSONL of {"messages": [...], "weight"?: float}; empty: the seed model answers built-in prompts."""
     retention_docs: int = 8
-    """Retention probes, drawn from the replay documents that training sees (the study used 128)."""
+    """Exposed retention probes, drawn from the replay documents that training sees (the study used 128)."""
+    heldout_retention_docs: int = 0
+    """Held-out retention documents: the seed model's own answers to built-in general prompts that no training or
+    replay set holds (nshard/run/prompts.py HELDOUT_PROMPTS, at most 64), scored exactly as the exposed probes; 0: none."""
     task_response_weight: float = 1.0
     replay_response_weight: float = 1.0
     chat_train: str = ""
@@ -91,6 +94,12 @@ class DataSection:
         _positive("data.eval_cases_per_family", self.eval_cases_per_family)
         _non_negative("data.replay_docs", self.replay_docs)
         _non_negative("data.retention_docs", self.retention_docs)
+        _non_negative("data.heldout_retention_docs", self.heldout_retention_docs)
+        from nshard.run.prompts import HELDOUT_PROMPTS
+
+        if self.heldout_retention_docs > len(HELDOUT_PROMPTS):
+            raise PlanError(f"data.heldout_retention_docs={self.heldout_retention_docs} exceeds the "
+                            f"{len(HELDOUT_PROMPTS)} built-in held-out prompts; lower it")
         if self.retention_docs > self.replay_docs:
             raise PlanError(
                 f"data.retention_docs={self.retention_docs} exceeds data.replay_docs={self.replay_docs}: "
@@ -179,6 +188,12 @@ class ArmSpec:
     grown: bool = False
     """A growth study's upcycled arm ([growth]): it trains the accepted candidate grown into a sparse model
     (nshard/grow.py), not the candidate itself; the other arms continue the candidate dense."""
+    interpolate: str = ""
+    """An arm that trains nothing: its model is (1 - alpha) x the study's seed model (in a second cohort, the
+    accepted checkpoint) + alpha x the named earlier arm's export, parameter by parameter (nshard/interpolate.py);
+    ranks and ds_config are the named arm's. Empty: a trained arm."""
+    alpha: float = 0.0
+    """With interpolate: the weight of the trained arm's parameters, in (0, 1)."""
 
     def __post_init__(self):
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
@@ -191,6 +206,15 @@ class ArmSpec:
             raise PlanError(f"study.arms[{self.name}].keep_state={self.keep_state!r}: use true or false")
         if not isinstance(self.grown, bool):
             raise PlanError(f"study.arms[{self.name}].grown={self.grown!r}: use true or false")
+        if self.interpolate and not 0.0 < self.alpha < 1.0:
+            raise PlanError(f"study.arms[{self.name}].alpha={self.alpha}: an interpolated arm's weight on the trained "
+                            "arm must lie in (0, 1), e.g. 0.5 (0 is the seed model, 1 the trained arm itself)")
+        if self.alpha and not self.interpolate:
+            raise PlanError(f"study.arms[{self.name}].alpha={self.alpha} without interpolate: name the trained arm "
+                            "to interpolate toward the seed model (interpolate = \"powersgd\"), or drop alpha")
+        if self.interpolate and (self.grown or not self.replay or self.keep_state is not None):
+            raise PlanError(f"study.arms[{self.name}]: an interpolated arm trains nothing, so grown, replay and "
+                            "keep_state do not apply; set them on the arm it interpolates")
 
 
 FAULT_PHASES = ("update", "save")
@@ -282,6 +306,11 @@ class StudySection:
         for key in ("candidate", "speed_baseline"):
             if getattr(self, key) not in names:
                 raise PlanError(f"study.{key}={getattr(self, key)!r} is not an arm; arms are {names}")
+        for i, arm in enumerate(self.arms):
+            trained_before = [a.name for a in self.arms[:i] if not a.interpolate]
+            if arm.interpolate and arm.interpolate not in trained_before:
+                raise PlanError(f"study.arms[{arm.name}].interpolate={arm.interpolate!r} is not a trained arm listed "
+                                f"before it; trained arms before it: {trained_before}")
         _positive("study.eval_max_new_tokens", self.eval_max_new_tokens)
         _positive("study.eval_batch_size", self.eval_batch_size)
         if self.placement not in ("local", "emulated"):
@@ -343,7 +372,15 @@ class CohortSection:
     dense_warmup: bool = False
     """With start = "state": run the ds_config's dense warm-up updates again (default: the reducer keeps compressing)."""
     first_cohort_share: float = 0.5
-    """Share of the first cohort's training documents mixed into this cohort's training (0 to 1)."""
+    """Share of the first cohort's training documents mixed into this cohort's training (0 to 1), drawn over all its
+    families together; replay_cases instead says how many of each family."""
+    replay_cases: dict[str, int] = field(default_factory=dict)
+    """[cohort.replay_cases]: training cases of each first-cohort family replayed (family = count, at most the
+    first cohort's train_cases_per_family; a family left out replays none); every screened family must be replayed
+    whole. Empty: first_cohort_share decides."""
+    first_cohort_response_weight: float = 0.0
+    """Weight of each response token of a replayed first-cohort case (0: data.task_response_weight, as the new
+    families'): a family with short answers carries little of the loss unless its tokens weigh more."""
     first_cohort_eval_cases_per_family: int = 8
     """Fresh cases (from data.eval_seed) of each screened first-cohort family, scored against the accepted checkpoint."""
     screen_min_accuracy: float = 0.0
@@ -363,6 +400,11 @@ class CohortSection:
             raise PlanError(f"cohort.first_cohort_share={self.first_cohort_share} must lie in [0, 1] (a share of the "
                             "first cohort's training documents), e.g. 0.5")
         _non_negative("cohort.first_cohort_eval_cases_per_family", self.first_cohort_eval_cases_per_family)
+        for family, count in self.replay_cases.items():
+            if type(count) is not int or count < 0:
+                raise PlanError(f"cohort.replay_cases.{family}={count!r}: give a whole number of the first cohort's "
+                                "training cases of that family, 0 or more")
+        _non_negative("cohort.first_cohort_response_weight", self.first_cohort_response_weight)
         if not 0.0 <= self.screen_min_accuracy < 1.0:
             raise PlanError(f"cohort.screen_min_accuracy={self.screen_min_accuracy} must lie in [0, 1): the share of "
                             "a first-cohort family's cases the accepted candidate answered in its own study for the "
@@ -476,6 +518,10 @@ def check_growth(plan: "Plan") -> None:
                         f"candidate: {plan.study.candidate!r})")
     if len(plan.study.arms) < 2:
         raise PlanError("[growth]: add an arm without grown, the accepted candidate continued dense, to compare with")
+    derived = [a.name for a in plan.study.arms if a.interpolate]
+    if derived:
+        raise PlanError(f"study.arms {derived}: interpolated arms are not part of a growth study (its arms share one "
+                        "training budget); drop them, or interpolate in a second cohort's plan")
     problem = upcycling_problem(**plan.growth.settings())
     if problem:
         key, text = problem
@@ -491,6 +537,9 @@ def check_fault(plan: "Plan") -> None:
     names = [a.name for a in plan.study.arms]
     if fault.arm not in names:
         raise PlanError(f"study.fault.arm={fault.arm!r} is not an arm; arms are {names}")
+    if plan.study.arm(fault.arm).interpolate:
+        raise PlanError(f"study.fault.arm={fault.arm!r} is an interpolated arm, which trains nothing; kill a rank of "
+                        f"the arm it interpolates ({plan.study.arm(fault.arm).interpolate!r})")
     ranks = plan.study.arm(fault.arm).ranks
     if fault.rank >= ranks:
         raise PlanError(f"study.fault.rank={fault.rank}: arm {fault.arm} has ranks 0..{ranks - 1}; kill one of those")
@@ -586,6 +635,10 @@ def plan_from_dict(raw: dict, default_name: str = "plan") -> Plan:
     if isinstance(raw.get("cohort"), dict) and raw["cohort"].get("from") and isinstance(raw.get("study", {}), dict) \
             and "arms" not in raw.get("study", {}):
         raw["study"] = {"arms": cohort_arms(), "speed_baseline": "powersgd", **raw.get("study", {})}
+    cohort_raw = raw.get("cohort") if isinstance(raw.get("cohort"), dict) else {}
+    if "replay_cases" in cohort_raw and "first_cohort_share" in cohort_raw:
+        raise PlanError("cohort.first_cohort_share and cohort.replay_cases both say which first-cohort cases are "
+                        "replayed; keep one (replay_cases: a count per family)")
     sections = {}
     for key, value in raw.items():
         if key not in SECTIONS:
@@ -623,6 +676,10 @@ def _check_type(key: str, value, hint):
         if isinstance(value, dict):
             return _build_section(key, FaultSpec, value)
         raise PlanError(f"{key} must be a [{key}] table (arm, rank, update, phase), got {value!r}")
+    if hint == dict[str, int]:
+        if isinstance(value, dict):
+            return dict(value)
+        raise PlanError(f"{key} must be a [{key}] table of family = count, got {value!r}")
     if hint == tuple[str, ...]:
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return tuple(value)

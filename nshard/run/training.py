@@ -160,7 +160,7 @@ def write_run_json(run: Run, status: str, **fields) -> None:
 
 def prepare_inputs(run: Run, tokenizer, model_ref):
     """Every rank prepares the inputs itself (deterministic, cheap) and all must agree on the identity."""
-    from nshard.run.replay import replay_documents
+    from nshard.run.replay import heldout_retention_documents, replay_documents
 
     # Rank 0 generates and caches the seed model's replay answers once, on the run's device and in its dtype
     # (minutes to hours for a big model: the others wait on a long timeout); the others then read them.
@@ -169,11 +169,14 @@ def prepare_inputs(run: Run, tokenizer, model_ref):
     if run.replay:
         on_main_rank_long(run, replay_documents, run.plan, model_ref, tokenizer, placement)
         replay = replay_documents(run.plan, model_ref, tokenizer, placement)
+    on_main_rank_long(run, heldout_retention_documents, run.plan, model_ref, tokenizer, placement)
+    retention_heldout = heldout_retention_documents(run.plan, model_ref, tokenizer, placement)
     if run.plan.data.chat_train:  # rank 0 tokenizes own data once into the cache; the others then read it
         on_main_rank_long(run, warm_chat, run.plan, tokenizer)
     try:
         prepared_all = data_mod.prepare(run.plan, tokenizer, replay, with_replay=run.replay,
-                                        chat=chat_mod.chat_data(run.plan, tokenizer))
+                                        chat=chat_mod.chat_data(run.plan, tokenizer),
+                                        retention_heldout=retention_heldout)
         error = None
     except data_mod.DataError as exc:
         prepared_all, error = None, str(exc)
