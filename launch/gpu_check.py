@@ -42,6 +42,8 @@ TWO_UPDATES = 12
 """TWO's updates: the shipped ds_config's 8 dense warm-up updates, then 4 compressed."""
 CPU_TWO = {"updates": 10, "global_batch_docs": 4, "microbatch_docs": 1}
 """--cpu: TWO on the CPU, smaller (8 warm-up updates, 2 compressed; 64-token documents), so it runs in a test."""
+CPU_TIMEOUT_S = 1800
+"""--cpu: a step's timeout (a 135M update takes seconds on a CPU, and a rehearsal builds DeepSpeed's CPU collective)."""
 DRY = "dry-run: listed and checked, not run"
 TARGET_GPU = "H200"
 """The GPU the check is sized for: the dry run asks the memory model whether every training step fits one."""
@@ -164,6 +166,7 @@ def steps(out: Path, inputs: dict[str, Path], cpu: bool = False) -> list[Step]:
     def train(name: str, what: str, config: str, expect: Expect, plan: str = "135m", timeout_s: int = 150,
               min_s: int = 35, env: dict | None = None) -> Step:
         run_dir = out / name
+        timeout_s = CPU_TIMEOUT_S if cpu else timeout_s
         plan_path, ds_config = inputs[f"plan-{plan}"], inputs[config]
         return Step(name, what, [deepspeed, "--num_gpus", str(expect.world), "--master_port", str(free_port()),
                                  str(REPO / "nshard/train.py"), "--ds_config", str(ds_config), "--plan", str(plan_path),
@@ -190,7 +193,7 @@ def steps(out: Path, inputs: dict[str, Path], cpu: bool = False) -> list[Step]:
              "shapes: ranks bit-identical, CPU within fp32 tolerance, delta codec bits equal to the CPU's",
              [py, str(REPO / "launch/gpu_reducers.py"), "--device", "cpu" if cpu else "cuda",
               *(["--updates", "2"] if cpu else []), "--out", str(results / "reducers.json")],
-             150, 40, result=results / "reducers.json"),
+             CPU_TIMEOUT_S if cpu else 150, 40, result=results / "reducers.json"),
     ]
     if cpu:
         return first

@@ -29,7 +29,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/python" -m pip install -q --no-index --find-links "$bundle" -r "$bundle/requirements.txt"
   "$venv/bin/python" -m pip install -q --no-index --no-deps --find-links "$bundle" nshard
   echo "$want" > "$stamp"
-  echo "gpu_device: bundle installed into $venv in $(( $(date +%s) - t0 )) s (Python $("$venv/bin/python" -V))" >&2
+  echo "gpu_device: bundle installed into $venv in $(( $(date +%s) - t0 )) s ($("$venv/bin/python" -V))" >&2
 fi
 results=${OUT:-$here/runs/gpu-check-results}
 exec "$venv/bin/python" launch/gpu_check.py --out "${NSHARD_CHECK_OUT:-/tmp/nshard-gpu-check}" --results "$results" "$@"

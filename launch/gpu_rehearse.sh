@@ -43,16 +43,18 @@ present = [name for name in sys.argv[1:] if importlib.util.find_spec(name.replac
 sys.exit(f"gpu_rehearse: the image stand-in holds {present}, which the GPU image lacks" if present else 0)
 EOF
 bash launch/gpu_bundle.sh "$work/bundle"
-run() {  # launch/gpu_device.sh as the device runs it, with no index and no pip config
+run() {  # launch/gpu_device.sh as the device runs it, with no index and no pip config (DeepSpeed's CPU collective,
+         # which the device never builds, compiled once into the cache)
   env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL -u PIP_INDEX_URL -u VIRTUAL_ENV NSHARD_BASE_PYTHON="$cache/image/bin/python" \
     NSHARD_BUNDLE="$work/bundle" NSHARD_DEVICE_VENV="$work/venv" NSHARD_CHECK_OUT="$work/check" \
+    TORCH_EXTENSIONS_DIR="$cache/torch_extensions" \
     OUT="$work/out-$1" bash launch/gpu_device.sh "${@:2}"
 }
 status=0
 run dry --dry-run > "$work/dry.out" || status=$?
 tail -1 "$work/dry.out"
 [ $status -eq 0 ] || { echo "gpu_rehearse: the dry run failed (exit $status): $work/out-dry/gpu-check.json" >&2; exit 1; }
-run cpu --cpu > "$work/cpu.out" || status=$?
+run cpu --cpu --budget_s 7200 > "$work/cpu.out" || status=$?
 tail -1 "$work/cpu.out"
 [ $status -eq 0 ] || { echo "gpu_rehearse: the CPU steps failed (exit $status): $work/out-cpu/gpu-check.json" >&2; exit 1; }
 echo "gpu_rehearse: ok: $("$work/venv/bin/python" -c 'import torch, transformers, deepspeed; print("torch", torch.__version__, "transformers", transformers.__version__, "deepspeed", deepspeed.__version__)')"

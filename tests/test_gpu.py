@@ -148,6 +148,9 @@ def test_fused_adam_is_an_opt_in_on_cuda_and_refused_under_bf16_at_stage_0():
 def engine_classes(rank: int, world: int) -> dict:
     """The optimizer DeepSpeed wraps around torch's AdamW for each precision and stage (one gloo rank)."""
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    from nshard.seam.launch_env import prepare_process_env
+
+    prepare_process_env()  # this venv's extensions folder: torch's default is shared by every venv, and raced
     out = {}
     for bf16 in (False, True):
         for stage in (0, 1, 2):

@@ -22,6 +22,7 @@ from spawn import run_ranks
 pytestmark = pytest.mark.slow  # builds a DeepSpeed engine (no launch)
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__")
+NSHARD = REPO / "nshard"
 
 
 def counting(calls: collections.Counter):
@@ -31,7 +32,7 @@ def counting(calls: collections.Counter):
 
         def counted(*args, **kwargs):
             frame = traceback.extract_stack(limit=2)[0]
-            calls[f"{Path(frame.filename).name}:{frame.lineno} {name}"] += 1
+            calls[f"{frame.filename}:{frame.lineno} {name}"] += 1
             return original(*args, **kwargs)
         setattr(owner, name, counted)
         return owner, name, original
@@ -43,6 +44,9 @@ def updates_counted(rank: int, world: int, config: dict) -> list[dict]:
     """Three updates of the tiny plan through train_update, each update's host syncs by call site."""
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     sys.path.insert(0, str(REPO))
+    from nshard.seam.launch_env import prepare_process_env
+
+    prepare_process_env()  # DeepSpeed's CPU collective from this venv's extensions folder, as a launched rank's
     from nshard.run import data as data_mod
     from nshard.run.models import load_model, load_tokenizer, resolve_model
     from nshard.run.plan import load_plan
@@ -80,13 +84,15 @@ def test_a_timed_update_reads_no_loss_from_the_device():
     training loop (before: one nll.item() per microbatch); what remains is the reducer's own, each named by its line
     (CholeskyQR2's fallback decision and the zero-Q guard read one small tensor per compressed update)."""
     config = tiny_config(nshard={"reducer": "powersgd", "rank": 4, "dense_warmup_updates": 1, "seed": 0})
-    seen = run_ranks(updates_counted, world_size=1, args=(config,), timeout_s=300)[0]
+    seen = run_ranks(updates_counted, world_size=1, args=(config,), timeout_s=1800)[0]
     assert [u["compressed"] for u in seen] == [False, True, True]
     assert all(u["local_nll_on_device"] for u in seen)
     for update in seen:
-        from_the_loop = {site: n for site, n in update["calls"].items() if site.startswith("training.py")}
+        from_the_loop = {site: n for site, n in update["calls"].items() if site.startswith(str(NSHARD / "run"))}
         assert from_the_loop == {}, from_the_loop
-    dense, compressed = (sum(u["calls"].values()) for u in seen[:2])
-    print(f"host reads per update: dense {dense}, compressed {compressed}: {seen[1]['calls']}")
-    assert dense == 0, seen[0]["calls"]
-    assert all(site.startswith(("orthogonal.py", "powersgd.py")) for site in seen[1]["calls"]), seen[1]["calls"]
+    # nshard's own: the reducer's, once per compressed update, none in a dense one. transformers' mask building reads
+    # the attention mask in every forward (masking_utils), which nshard does not control.
+    ours = [{Path(site).name: n for site, n in u["calls"].items() if site.startswith(str(NSHARD))} for u in seen]
+    print(f"host reads per update: {[u['calls'] for u in seen]}")
+    assert ours[0] == {} and all(0 < sum(o.values()) <= 2 for o in ours[1:]), ours
+    assert all(site.startswith(("orthogonal.py", "powersgd.py")) for o in ours for site in o), ours
