@@ -41,7 +41,9 @@ LARGE = {"updates": 4, "global_batch_docs": 32, "microbatch_docs": 4}
 TWO_UPDATES = 12
 """TWO's updates: the shipped ds_config's 8 dense warm-up updates, then 4 compressed."""
 CPU_TWO = {"updates": 10, "global_batch_docs": 4, "microbatch_docs": 1}
-"""--cpu: TWO on the CPU, smaller (8 warm-up updates, 2 compressed; 64-token documents), so it runs in a test."""
+"""--cpu: TWO on the CPU (8 warm-up updates, 2 compressed) on the tiny model at PowerSGD rank 4, its shipped ds_config
+otherwise: two 135M ranks (~3 GB each) do not fit beside the other work of a shared 2-core machine, and rank 32
+compresses none of the tiny model's matrices."""
 CPU_TIMEOUT_S = 1800
 """--cpu: a step's timeout (a 135M update takes seconds on a CPU, and a rehearsal builds DeepSpeed's CPU collective)."""
 DRY = "dry-run: listed and checked, not run"
@@ -110,7 +112,7 @@ def write_inputs(out: Path, cpu: bool = False) -> dict[str, Path]:
                       "data": {**base["data"], "train_cases_per_family": 32}, "train": {**base["train"], **LARGE}},
              # Bit-identical twins need CUDA's deterministic kernels (the CPU's are deterministic already).
              "two": {**base, "name": "gpu-check-two", "train": two_train,
-                     "model": {**base["model"], **({"max_length": 64} if cpu else {})},
+                     "model": {**base["model"], **({"spec": "tiny", "max_length": 256} if cpu else {})},
                      "checkpoint": {**base["checkpoint"], "deterministic_cuda": True}}}
     shipped = {name: json.loads((REPO / f"ds_configs/{name}.json").read_text())
                for name in ("dense", "powersgd", "zero1", "zero2-powersgd")}
@@ -130,6 +132,10 @@ def write_inputs(out: Path, cpu: bool = False) -> dict[str, Path]:
             **shipped["powersgd"]["nshard"], "dense_warmup_updates": two_train["updates"]}},
     }
     paths = {"powersgd-shipped": SHIPPED_POWERSGD}
+    if cpu:  # the tiny model's matrices compress at rank 4 only
+        for name in ("powersgd-shipped", "powersgd-all-dense"):
+            config = configs.get(name, shipped["powersgd"])
+            configs[name] = {**config, "nshard": {**config["nshard"], "rank": 4}}
     for name, plan in plans.items():
         paths[f"plan-{name}"] = _write(inputs / f"plan-{name}.toml", toml_text(plan))
     for name, config in configs.items():

@@ -102,8 +102,10 @@ def tf32_state() -> dict:
     the receipts' `numerics`)."""
     import torch
 
+    from nshard.comm.numerics import global_precision
+
     matmul = torch.backends.cuda.matmul
-    return {"float32_matmul_precision": torch.get_float32_matmul_precision(),
+    return {"float32_matmul_precision": global_precision(),
             "cuda_matmul": getattr(matmul, "fp32_precision", None) or f"allow_tf32={matmul.allow_tf32}",
             "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
             "NVIDIA_TF32_OVERRIDE": os.environ.get("NVIDIA_TF32_OVERRIDE")}

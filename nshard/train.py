@@ -84,6 +84,7 @@ def main(argv=None) -> int:
         from nshard.run.training import Run, RunError, check_memory, preflight, run_training
         import nshard.analysis.memory_model  # noqa: F401 -- check_memory's, imported where it runs
         import torch.distributed as dist
+        import transformers  # noqa: F401 -- the model's and tokenizer's, imported where they load
 
         from nshard.comm import RanksDisagree
         from nshard.seam.engine import init_distributed, require_deepspeed

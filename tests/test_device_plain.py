@@ -107,3 +107,24 @@ def test_fresh_error_memory_is_fp32_whatever_the_default_dtype():
             assert {t.dtype for t in memory.tensors.values()} == {torch.float32}, where
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize("synchronized", ["1", "0"])
+def test_the_phase_clock_waits_for_the_device_at_deepspeeds_collectives_only_when_phases_are_synchronized(
+        monkeypatch, synchronized):
+    """A DeepSpeed collective inside a microbatch's backward, as install_grad_count wraps it (a collective_wait frame
+    on the process's clock): on CUDA with NSHARD_PHASE_SYNC=1 each boundary waits for the device; with 0, none does."""
+    from nshard.phases import PhaseClock
+
+    waits = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: waits.append(a))
+    monkeypatch.setenv("NSHARD_PHASE_SYNC", synchronized)
+    clock = PhaseClock()
+    clock.use_device("cuda:0")  # sets how it waits; nothing runs on a device here
+    clock.start()
+    with clock.microbatch():
+        for _ in range(3):
+            with clock.phase("collective_wait"):
+                pass
+    clock.running = False
+    assert len(waits) == (2 + 3 * 2 if synchronized == "1" else 0)

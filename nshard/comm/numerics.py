@@ -60,6 +60,15 @@ def record(tf32: bool) -> dict:
     global_cuda, _ = _read()
     return {"reducer_fp32_matmuls": "tf32 (nshard.tf32 = true)" if tf32 else "full fp32 (ieee), pinned",
             "error_memory_dtype": str(ERROR_MEMORY_DTYPE).removeprefix("torch."),
-            "torch_float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "torch_float32_matmul_precision": global_precision(),
             "torch_cuda_matmul_tf32": global_cuda in (True, "tf32"),
             "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32)}
+
+
+def global_precision() -> str:
+    """torch's global fp32 matmul setting: the new API's where torch has it (its legacy getter raises once both APIs
+    were used), else torch.get_float32_matmul_precision()."""
+    if hasattr(torch.backends, "fp32_precision"):
+        return (f"backends {torch.backends.fp32_precision}, cuda.matmul {torch.backends.cuda.matmul.fp32_precision}, "
+                f"mkldnn.matmul {torch.backends.mkldnn.matmul.fp32_precision}")
+    return torch.get_float32_matmul_precision()
