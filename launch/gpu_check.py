@@ -46,6 +46,9 @@ otherwise: two 135M ranks (~3 GB each) do not fit beside the other work of a sha
 compresses none of the tiny model's matrices."""
 CPU_TIMEOUT_S = 1800
 """--cpu: a step's timeout (a 135M update takes seconds on a CPU, and a rehearsal builds DeepSpeed's CPU collective)."""
+DRY_TIMEOUT_S = 1800
+"""A dry run's subprocess (the environment step, a script's --check-only, pytest's collection): generous, since a dry
+run may share a loaded CPU (seen: the environment's imports past 300 s at a load of 23 on 2 cores)."""
 DRY = "dry-run: listed and checked, not run"
 TARGET_GPU = "H200"
 """The GPU the check is sized for: the dry run asks the memory model whether every training step fits one."""
@@ -393,13 +396,15 @@ def dry_check(step: Step) -> dict:
     if step.expect is not None:
         return check_training_inputs(step)
     if step.name == "environment":
-        proc = subprocess.run(step.command + ["--no-device"], cwd=REPO, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(step.command + ["--no-device"], cwd=REPO, capture_output=True, text=True,
+                              timeout=DRY_TIMEOUT_S)
         body = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {}
         if proc.returncode != 0:
             raise RuntimeError(f"environment: {'; '.join(body.get('problems', [])) or proc.stderr[-800:]}")
         return body
     if step.result is not None:
-        proc = subprocess.run(step.command + ["--check-only"], cwd=REPO, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(step.command + ["--check-only"], cwd=REPO, capture_output=True, text=True,
+                              timeout=DRY_TIMEOUT_S)
         if proc.returncode != 0:
             raise RuntimeError(f"{step.command[1]} --check-only exit {proc.returncode}: {proc.stderr[-800:]}")
         return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -438,7 +443,7 @@ def listed_cuda_tests() -> list[str]:
     """The CUDA test set's test ids, as pytest collects them here (where each is skipped with its reason)."""
     proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "--collect-only", "-q", "-m", "cuda", "-p",
                            "no:cacheprovider", "tests/test_cuda.py"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=DRY_TIMEOUT_S)
     return [line for line in proc.stdout.splitlines() if "::" in line]
 
 

@@ -111,7 +111,8 @@ def training_checks(expect: Expect, receipt: dict, metrics: list[dict], updates:
     backend = expect.backend or ("nccl" if cuda else "gloo")
     check(str(receipt.get("device")).startswith(device), f"trained on {device} (receipt: {receipt.get('device')})")
     check((receipt.get("link") or {}).get("backend") == backend, f"process group {backend}")
-    check(receipt.get("world_size", 1) == expect.world, f"{expect.world} rank(s) (receipt: {receipt.get('world_size')})")
+    check(receipt.get("world_size", 1) == expect.world,
+          f"{expect.world} rank(s) (receipt: {receipt.get('world_size')})")
     if roots is not None:
         check(len(roots) == expect.world and len(set(roots)) == 1 and None not in roots,
               f"every rank's receipt holds the same parameter root ({[str(r)[:12] for r in roots]})")

@@ -350,7 +350,8 @@ def orthogonalization_record(seam) -> dict | None:
     state = getattr(getattr(seam, "reducer", None), "state", None)
     if not hasattr(state, "orthogonal_fallbacks"):
         return None
-    return {"setting": state.orthogonalization, "matrices": state.orthogonalized, "fallbacks": state.orthogonal_fallbacks}
+    return {"setting": state.orthogonalization, "matrices": state.orthogonalized,
+            "fallbacks": state.orthogonal_fallbacks}
 
 
 def _sync() -> None:
