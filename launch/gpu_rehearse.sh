@@ -57,4 +57,4 @@ tail -1 "$work/dry.out"
 run cpu --cpu --budget_s 7200 > "$work/cpu.out" || status=$?
 tail -1 "$work/cpu.out"
 [ $status -eq 0 ] || { echo "gpu_rehearse: the CPU steps failed (exit $status): $work/out-cpu/gpu-check.json" >&2; exit 1; }
-echo "gpu_rehearse: ok: $("$work/venv/bin/python" -c 'import torch, transformers, deepspeed; print("torch", torch.__version__, "transformers", transformers.__version__, "deepspeed", deepspeed.__version__)')"
+echo "gpu_rehearse: ok: $("$work/venv/bin/python" -c 'from importlib.metadata import version as v; print(*(f"{n} {v(n)}" for n in ("torch", "transformers", "deepspeed")))')"
