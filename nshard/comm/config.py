@@ -69,6 +69,10 @@ class ReducerConfig:
     "torch", microbatch_sums "exact" and a CPU device (check_device); under ZeRO-1/2 and bf16 the update's gradients
     are then always summed in fp32 buffers apart from the error memory (4 bytes more per compressed parameter in an
     update of one microbatch under PowerSGD with device error memory, which otherwise sums into the error memory)."""
+    tf32: bool = False
+    """Let PowerSGD's fp32 matmuls (P, Q, CholeskyQR2's products, decompression) use TF32 on CUDA: faster, with a
+    10-bit mantissa in the products. false: full fp32, whatever torch's global matmul precision (the receipts'
+    `numerics` record both)."""
 
     def __post_init__(self):
         problems = field_problems(self)
@@ -135,6 +139,8 @@ def field_problems(config: ReducerConfig) -> list[str]:
                         'and precision are known); set microbatch_sums to "exact" or overlap_backward to false')
     if not isinstance(config.warm_start, bool):
         problems.append(f"nshard.warm_start is {config.warm_start!r}; set it to true or false")
+    if not isinstance(config.tf32, bool):
+        problems.append(f"nshard.tf32 is {config.tf32!r}; set it to true or false")
     if not (_is_int(config.seed) and 0 <= config.seed < 2**63):
         problems.append(f"nshard.seed is {config.seed!r}; set it to an integer in [0, 2**63)")
     return [p for p in problems if p is not None]

@@ -152,6 +152,9 @@ class Receipt:
     orthogonalization and error update within reducer_compute; the parameters' collectives within collective_wait)."""
     update_microbatch_s: list[list[float]] = field(default_factory=list)
     """Each update's forward_backward seconds per microbatch of this rank (summing to its forward_backward)."""
+    compression_error_norm: float | None = None
+    """After the last update, the global 2-norm of PowerSGD's error memory: what the optimizer did not receive of the
+    summed gradient (nshard/run/throughput.py compression_error_norm); None when that update did not compress."""
 
     def record_update(self, seconds: float, grad_bytes: int, other_bytes: int, compressed: bool,
                       gpu: dict | None = None, deepspeed_grad_bytes: int = 0, timing: dict | None = None) -> None:

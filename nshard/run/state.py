@@ -301,9 +301,14 @@ class StateKeeper:
             self.check_replicas(done, receipt, sealing=False)
 
     def finish(self, done: int, receipt: Receipt) -> None:
-        """The state at the end of the run (unless the last update's was just saved)."""
-        if self.last_saved != done:
-            self.save(done, receipt, self.check_replicas(done, receipt))
+        """The state at the end of the run (unless the last update's was just saved, or the plan says
+        checkpoint.final = false: then the replicas are only compared)."""
+        if self.last_saved == done:
+            return
+        if not self.run.plan.checkpoint.final:
+            self.check_replicas(done, receipt)
+            return
+        self.save(done, receipt, self.check_replicas(done, receipt))
 
     def check_replicas(self, done: int, receipt: Receipt, sealing: bool = True) -> str:
         """All ranks compare parameter roots (between saves: replica_digest); a divergence stops the run before anything

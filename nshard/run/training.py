@@ -26,6 +26,7 @@ from nshard.phases import CLOCK, sync_wanted
 from nshard.run import throughput
 from nshard.seam import observe
 from nshard.run import state as state_mod
+from nshard.comm import numerics
 from nshard.comm.config import ReducerConfig
 from nshard.evidence.export import write_manifest
 from nshard.seam.ds_config import precision as ds_precision
@@ -196,12 +197,14 @@ def warm_chat(plan: Plan, tokenizer) -> None:
         pass  # every rank reports it in prepare_inputs, as one error
 
 
-def train_update(engine, seam, run: Run, prepared, batch: list[int], pad_id: int) -> float:
-    """One optimizer update over a global batch; returns this rank's weighted NLL sum."""
+def train_update(engine, seam, run: Run, prepared, batch: list[int], pad_id: int) -> torch.Tensor:
+    """One optimizer update over a global batch; returns this rank's weighted NLL sum, a float64 scalar on the device.
+    It is summed there, so no microbatch waits for the device to read its loss: global_loss reads it once, after the
+    update's timing (the same float64 sum of the same fp32 values, in the same order, as reading each one)."""
     micros = rank_microbatches(prepared, batch, run.world, run.rank, run.plan.train.microbatch_docs, pad_id)
     device = engine.device
     sparse = {"output_router_logits": True} if run.experts is not None else {}
-    local_nll = 0.0
+    local_nll = torch.zeros((), dtype=torch.float64, device=device)
     for step, mb in enumerate(micros):
         with CLOCK.microbatch():  # forward_backward; the seam marks its reduction and step (nshard/phases.py)
             ids, mask = mb.input_ids.to(device), mb.attention_mask.to(device)
@@ -211,7 +214,7 @@ def train_update(engine, seam, run: Run, prepared, batch: list[int], pad_id: int
             nll = weighted_nll_sum(out.logits, ids, mb.weights.to(device))
             loss = nll * mb.loss_scale + aux_loss(run, out, mask, mb.doc_shares)
             seam.backward_and_step(engine, loss, last=step == len(micros) - 1)
-            local_nll += nll.item()
+            local_nll += nll.detach()
     return local_nll
 
 
@@ -223,8 +226,10 @@ def aux_loss(run: Run, out, mask: torch.Tensor, shares: list[float]):
     return run.experts.aux_term(out.router_logits, mask, torch.tensor(shares)) * deepspeed_backward_scale(run.world)
 
 
-def global_loss(local_nll: float, batch: list[int], prepared, device) -> float:
-    total = torch.tensor([local_nll], dtype=torch.float64, device=device)  # NCCL reduces device tensors only
+def global_loss(local_nll: torch.Tensor, batch: list[int], prepared) -> float:
+    """The update's loss: every rank's NLL sum (train_update's device scalar) over the batch's target weight. The
+    update's one read of a training value, after its timing."""
+    total = local_nll.reshape(1)  # on the rank's device: NCCL reduces device tensors only
     dist.all_reduce(total)  # torch.distributed, not deepspeed.comm: kept out of the gradient byte count
     return total.item() / math.fsum(prepared[i].target_weight for i in batch)
 
@@ -273,7 +278,7 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
         figures = {**meter.figures(batch, seconds), "grad_norm": grad_norm.take(),
                    **(throughput.compression_error(seam, engine.device) if monitor else {})}
         receipt.record_throughput(figures)
-        loss = global_loss(local_nll, batch, prepared, engine.device)
+        loss = global_loss(local_nll, batch, prepared)
         gap = delta_gap(run, engine.device)
         experts = run.experts.finish_update(update + 1, run.rank, engine.device) if run.experts else None
         if experts is not None:
@@ -301,6 +306,9 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
         began, state_s_before = now, receipt.state_s
         keeper.after_update(update + 1, receipt)
         counter.take()  # a replica check's or state save's collectives belong to no update
+    # The residual the last update left in PowerSGD's error memory (what the optimizer did not receive): one scalar
+    # all-reduce, after the timed updates; None when that update did not compress.
+    receipt.compression_error_norm = throughput.compression_error_norm(seam, engine.device)
     ledger = seam.ledger  # None under DeepSpeed's own reduction
     receipt.where_and_link = link.finish(run.rank, run.world, ledger.total_bytes() if ledger else None)
     keeper.finish(len(schedule), receipt)
@@ -337,6 +345,16 @@ def reduction_ran(seam, receipt: Receipt) -> dict:
     return {"configured": seam.name, "nshard_reducer_calls": len(records), **started,
             "nshard_compressed_calls": sum(1 for r in records if r["compressed"]),
             "deepspeed_grad_bytes": receipt.deepspeed_grad_bytes, "deepspeed_comms_logged": patches.comms_logged()}
+
+
+def orthogonalization_record(seam) -> dict | None:
+    """PowerSGD's orthogonalizations in this process: its setting, the matrices orthogonalized, and how many of them
+    CholeskyQR2 handed to Householder QR (None without PowerSGD)."""
+    state = getattr(getattr(seam, "reducer", None), "state", None)
+    if not hasattr(state, "orthogonal_fallbacks"):
+        return None
+    return {"setting": state.orthogonalization, "matrices": state.orthogonalized,
+            "fallbacks": state.orthogonal_fallbacks}
 
 
 def _sync() -> None:
@@ -492,6 +510,9 @@ def train_owned(run: Run, overwrite: bool, resume_from: state_mod.ResumePoint | 
              "reduction_ran": reduction_ran(seam, receipt),
              **patches.optimizer_memory(engine), "device": str(engine.device),
              "optimizer": engine_mod.optimizer_record(engine, ds_config), "determinism": determinism,
+             "numerics": numerics.record(bool(run.reducer and run.reducer.tf32)),
+             "orthogonalization": orthogonalization_record(seam),
+             "compression_error_norm_after_last_update": receipt.compression_error_norm,
              "precision": ds_precision(ds_config),
              "startup": startup(receipt.first_update_at),
              "experts": run.experts and {**run.experts.declared(), **experts_mod.summary(receipt.update_experts)},

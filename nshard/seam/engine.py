@@ -164,6 +164,14 @@ def _noting_a_build():
         note_one_time_work(f"compiled DeepSpeed's CPU collective ({built})")
 
 
+def require_deepspeed() -> str:
+    """DeepSpeed's version; ImportError (naming what is missing: DeepSpeed, or a package it imports, hjson or pydantic
+    say) where it cannot be imported."""
+    import deepspeed
+
+    return deepspeed.__version__
+
+
 def init_distributed() -> None:
     import deepspeed
 
