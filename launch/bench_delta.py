@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from nshard.comm.delta import CHUNK_BLOCKS, DeltaCodec, chunk_elements, gap_max_  # noqa: E402
+from nshard.files import write_text_atomic  # noqa: E402
 
 PARTITION_NUMEL = 850_000_000
 """Half of SmolLM2-1.7B's parameters: one rank's partition under ZeRO-2 on two ranks."""
@@ -165,9 +166,7 @@ def main(argv=None) -> dict:
     summary = measure(args.device, args.numel, args.repeats, " ".join(["python -m launch.bench_delta", *argv]))
     text = json.dumps(summary, indent=1)
     if args.out:
-        tmp = args.out.with_name(args.out.name + ".tmp")
-        tmp.write_text(text + "\n")
-        tmp.replace(args.out)
+        write_text_atomic(args.out, text + "\n")
     if args.json:
         print(text)
     else:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from nshard.files import write_text_atomic  # noqa: E402 -- the checkout's nshard, found through the line above
 from nshard.phases import DETAIL  # noqa: E402 -- the checkout's nshard, found through the line above
 BUDGET_S = 540
 PLAN = REPO / "launch/plans/gpu-check.toml"
@@ -154,9 +155,7 @@ def write_inputs(out: Path) -> dict[str, Path]:
 
 
 def _write(path: Path, text: str) -> Path:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    write_text_atomic(path, text)
     return path
 
 

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 from launch import zero_stages  # noqa: E402
 from nshard.cli import SPELLING_NOTE, ArgumentParser  # noqa: E402
 from launch.memcap import RankCaps, WRAPPER, warm_extensions  # noqa: E402
-from nshard.files import write_json_atomic  # noqa: E402
+from nshard.files import rename_durably, write_json_atomic  # noqa: E402
 from nshard.seam.launch_env import free_port, shm_workspace  # noqa: E402
 
 ALL_ARMS = ("base", "s0-dense", "s0-powersgd", "s1-dense", "s1-powersgd", "s2-dense", "s2-powersgd")
@@ -111,7 +111,7 @@ tokenizer.save_pretrained(sys.argv[1])
 """
     tmp = out.with_name(out.name + ".tmp")
     subprocess.run([sys.executable, "-c", code, str(tmp)], check=True, cwd=REPO)
-    tmp.rename(out)
+    rename_durably(tmp, out)
     return out
 
 

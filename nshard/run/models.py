@@ -13,7 +13,7 @@ import re
 import shutil
 import tempfile
 
-from nshard.files import cache_root, file_chunks, file_sha256, note_one_time_work
+from nshard.files import cache_root, file_chunks, file_sha256, note_one_time_work, rename_durably
 from nshard.run.upcycle import upcycled_state
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,7 +204,7 @@ def _ensure_built(target: Path, source: dict, build: Callable[[Path], None]) -> 
                 os.rename(target, stale / "old")
                 shutil.rmtree(stale, ignore_errors=True)
             try:
-                os.rename(tmp, target)
+                rename_durably(tmp, target)
             except OSError:
                 if _cached_sha(target, source) != sha:
                     raise

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from nshard.seam import engine as engine_mod
 from nshard.run import elastic, fault
 from nshard.comm.agree import shapes_sha256
-from nshard.files import file_sha256, first_difference, write_json_atomic
+from nshard.files import file_sha256, first_difference, rename_durably, write_json_atomic
 from nshard.run.ranks import RunError, all_ranks, on_main_rank
 from nshard.run.receipts import Receipt, metrics_through, parameter_root
 
@@ -426,7 +426,7 @@ def _seal(tmp: Path, final: Path, fields: dict, t0: float, keep: int) -> dict:
     write_json_atomic(tmp / MANIFEST, manifest)
     if final.exists():  # --resume sets newer states aside, so none should be here; kept as evidence all the same
         _set_aside(final)
-    tmp.rename(final)
+    rename_durably(tmp, final)
     for old in sealed_states(final.parent.parent)[:-keep]:  # final is RUN/state/update-N
         shutil.rmtree(old)
     for stale in final.parent.glob(".tmp-*"):

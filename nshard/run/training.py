@@ -30,7 +30,7 @@ from nshard.comm.config import ReducerConfig
 from nshard.evidence.export import write_manifest
 from nshard.seam.ds_config import precision as ds_precision
 from nshard.run.loss import deepspeed_backward_scale, rank_microbatches, weighted_nll_sum
-from nshard.files import file_sha256, write_json_atomic
+from nshard.files import file_sha256, rename_durably, write_json_atomic
 from nshard.run.plan import Plan
 from nshard.run.ranks import RunError, all_ranks, on_main_rank, on_main_rank_long
 from nshard.run.receipts import GpuPeaks, MetricsLog, Receipt, mark, parameter_root, startup
@@ -365,7 +365,7 @@ def export_model(run: Run, engine, tokenizer, prepared_identity: str) -> str:
             write_manifest(tmp, parameter_root=root, plan_sha256=file_sha256(run.plan_path),
                            ds_config_sha256=file_sha256(run.ds_config_path), prepared_identity=prepared_identity,
                            weights=weights)
-            tmp.replace(run.out / "model")
+            rename_durably(tmp, run.out / "model")
     return root
 
 
