@@ -67,6 +67,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     prepare_process_env()
     from nshard.files import write_json_atomic
+    from nshard.log import log
     from nshard.run.data import DataError
     from nshard.seam.ds_config import DsConfigError, load_ds_config, reducer_config
     from nshard.run.plan import PlanError, load_plan
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
         given_ds_config, ds_config = ds_config, preflight(plan, ds_config, world_size)  # completed from the plan, once
         if args.resolved_ds_config:
             write_json_atomic(args.resolved_ds_config, ds_config)
-            print(f"nshard: wrote {args.resolved_ds_config} (world size {world_size}); trained nothing")
+            log.info("wrote %s (world size %d); trained nothing", args.resolved_ds_config, world_size)
             return 0
         out = Path(args.out) if args.out else plan.run_dir()
         resume_from = (find_resumable(out, plan_path, Path(args.ds_config), world_size, args.elastic)
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
             start = grown_start(start, args.grown)
         check_memory(plan, given_ds_config, ds_config, world_size, start)  # the predicted peak fits this device
     except (PlanError, DsConfigError, DataError, RunError, OSError, ValueError) as exc:
-        print(f"nshard: error: {exc}", file=sys.stderr)
+        log.error("%s", exc)
         return 2
     import torch.distributed as dist
 
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
         dist.barrier()
         return 0
     except (PlanError, DsConfigError, DataError, RunError, RanksDisagree, OSError) as exc:
-        print(f"nshard: error (rank {run.rank}): {exc}", file=sys.stderr)
+        log.error("%s", exc, extra={"rank": run.rank})
         return 2
     finally:  # without it, gloo ranks sometimes abort at exit ("terminate called without an active exception")
         dist.destroy_process_group()

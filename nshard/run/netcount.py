@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 from pathlib import Path
 
 import psutil
+
+from nshard.log import log
 
 TOLERANCE = 0.05
 """Protocol overhead allowed between the kernel's count and the collectives' payload: TCP/IP framing
@@ -113,12 +114,10 @@ class LinkCount:
                 "agree": agree,
                 "backend": self.backend, "not_counted": self.not_counted}
         if self.not_counted:
-            print(f"nshard: note (rank {rank}): the link's bytes are not counted: {self.not_counted}",
-                  file=sys.stderr, flush=True)
+            log.warning("the link's bytes are not counted: %s", self.not_counted, extra={"rank": rank})
         if agree is False:
-            print(f"nshard: warning (rank {rank}): byte counts disagree beyond {TOLERANCE:.0%} protocol overhead: "
-                  f"kernel sent {kernel} B on {self.interface}, collectives {logged_bytes} B (expected on the wire "
-                  f"{round(expected)} B), reducer ledger {ledger_bytes} B vs logged {logged_reducer} B, delta sync "
-                  f"{delta} B vs logged {logged_delta} B",
-                  file=sys.stderr, flush=True)
+            log.warning(f"byte counts disagree beyond {TOLERANCE:.0%} protocol overhead: kernel sent {kernel} B on "
+                        f"{self.interface}, collectives {logged_bytes} B (expected on the wire {round(expected)} B), "
+                        f"reducer ledger {ledger_bytes} B vs logged {logged_reducer} B, delta sync {delta} B vs "
+                        f"logged {logged_delta} B", extra={"rank": rank})
         return {**where(self.backend), "link": link}

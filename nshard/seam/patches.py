@@ -13,10 +13,10 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-import sys
 
 import torch
 
+from nshard.log import log
 from nshard.phases import phase
 
 COLLECTIVE, PARAMETER_SYNC = phase("collective_wait"), phase("parameter_sync")
@@ -97,9 +97,8 @@ def guard(engine) -> None:
                                 "replaces (verified on 0.19.8); pin deepspeed>=0.19.8,<0.20 or port "
                                 "nshard/seam/patches.py")
     if not lowest <= _version(deepspeed.__version__) < beyond:
-        print(f"nshard: warning: deepspeed {deepspeed.__version__} is outside the verified >=0.19.8,<0.20; every "
-              "private symbol nshard/seam/patches.py lists is present, but their behaviour is unverified",
-              file=sys.stderr, flush=True)
+        log.warning("deepspeed %s is outside the verified >=0.19.8,<0.20; every private symbol "
+                    "nshard/seam/patches.py lists is present, but their behaviour is unverified", deepspeed.__version__)
 
 
 # ---------------------------------------------------------------- patches
