@@ -288,7 +288,7 @@ def training_checks(expect: Expect, receipt: dict, metrics: list[dict], updates:
               f"delta bytes exchanged: {sent} ({'> 0' if world > 1 else '0 on one rank: codec only, no exchange'})")
         check((gather.get("delta_codec") or {}).get("bits") == expect.delta_bits, f"delta codec at {expect.delta_bits} bits")
         gaps = receipt.get("update_delta_gap") or []
-        check(len(gaps) == updates and all(math.isfinite(g) for g in gaps), f"a finite delta gap after each update")
+        check(len(gaps) == updates and all(math.isfinite(g) for g in gaps), "a finite delta gap after each update")
         check(any(g > 0 for g in gaps), "the codec quantized real changes (a gap > 0 after some update)")
     if cuda:
         clocked = (receipt.get("phases") or {}).get("synchronized", "")

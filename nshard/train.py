@@ -14,9 +14,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # launched as a script path: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nshard.cli import (SPELLING_NOTE, ArgumentParser, add_ds_config_arguments, add_plan_overrides,  # noqa: E402
+from nshard.cli import (SPELLING_NOTE, ArgumentParser, add_ds_config_arguments, add_plan_overrides,
                         ds_config_path, plan_with_overrides)
-from nshard.seam.launch_env import prepare_process_env  # noqa: E402
+from nshard.seam.launch_env import prepare_process_env
 
 
 EPILOG = """\

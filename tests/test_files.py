@@ -91,7 +91,7 @@ def test_two_writers_of_one_target_never_share_a_temp_file(tmp_path, monkeypatch
     def write_a():
         try:
             files.write_json_atomic(target, {"writer": "A", "pad": "a" * 100_000})
-        except BaseException as exc:  # reported by the main thread
+        except BaseException as exc:  # noqa: BLE001 -- the main thread reports it
             errors.append(exc)
 
     a = threading.Thread(target=write_a, name="A")

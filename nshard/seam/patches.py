@@ -377,7 +377,7 @@ def optimizer_memory(engine) -> dict[str, int]:
     if inner is None:
         raise DeepSpeedAPIMoved(f"no torch optimizer under {type(engine.optimizer).__name__}.optimizer; "
                                 "port nshard/seam/patches.py:optimizer_memory")
-    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    nbytes = lambda t: t.numel() * t.element_size()
     state = sum(nbytes(v) for s in inner.state.values() for v in s.values() if torch.is_tensor(v))
     module_storage = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
     masters = sum(nbytes(p) for g in inner.param_groups for p in g["params"]
