@@ -28,6 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from nshard.cli import toml_text  # noqa: E402 -- the checkout's nshard, found through the line above
 from nshard.files import write_text_atomic  # noqa: E402 -- the checkout's nshard, found through the line above
 from nshard.phases import DETAIL  # noqa: E402 -- the checkout's nshard, found through the line above
 BUDGET_S = 540
@@ -94,26 +95,6 @@ class Step:
 
 
 # ---------------------------------------------------------------- inputs
-
-
-def toml_text(data: dict) -> str:
-    """A plan dict (scalars and lists at the top, then one table per section) as TOML."""
-    def value(v):
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        if isinstance(v, str):
-            return json.dumps(v)
-        if isinstance(v, list):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        raise TypeError(f"plan value {v!r}: only scalars and lists are written")
-
-    lines = [f"{k} = {value(v)}" for k, v in data.items() if not isinstance(v, dict)]
-    for section, body in data.items():
-        if isinstance(body, dict):
-            lines += ["", f"[{section}]"] + [f"{k} = {value(v)}" for k, v in body.items()]
-    return "\n".join(lines) + "\n"
 
 
 def write_inputs(out: Path) -> dict[str, Path]:
@@ -317,7 +298,7 @@ def training_checks(expect: Expect, receipt: dict, metrics: list[dict], updates:
 
 
 def receipt_summary(receipt: dict) -> dict:
-    gib = lambda b: None if b is None else round(b / 2**30, 3)  # noqa: E731
+    gib = lambda b: None if b is None else round(b / 2**30, 3)
     ran = receipt.get("reduction_ran") or {}
     phases = receipt.get("gpu_memory_by_phase") or {}
     return {"median_dense_update_s": median_updates(receipt, False),

@@ -4,7 +4,6 @@ transformers directory, building the embedded, tiny and random models once into 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import json
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Literal
 
 import torch
+from filelock import FileLock
 
 MARKER = "nshard-model.json"
 """Written next to a built model: its sha256 and what it was built from."""
@@ -160,16 +160,6 @@ def _check_model_dir(path: Path) -> None:
 
 # ---- the build-once cache ----------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _cached_sha(target: Path, source: dict) -> str | None:
     """The directory's sha256 if its marker records `source` and the files still hash to it."""
     try:
@@ -189,7 +179,7 @@ def _ensure_built(target: Path, source: dict, build: Callable[[Path], None]) -> 
     (some network file systems), a lost rename race is tolerated when the winner's copy is valid.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f".{target.name}.lock"):
+    with FileLock(target.parent / f".{target.name}.lock"):
         sha = _cached_sha(target, source)
         if sha is not None:
             return target, sha
@@ -493,7 +483,8 @@ def shaped_model(config, dtype: torch.dtype = torch.float32, materialize: bool =
 
 @contextlib.contextmanager
 def _parameters_on_meta():
-    """Every parameter a module registers goes to the meta device; buffers stay where they are made."""
+    """Every parameter a module registers goes to the meta device; buffers stay where they are made. Kept by hand:
+    accelerate's init_empty_weights wraps a parameter already on meta in a new one, so tied weights come apart."""
     register = torch.nn.Module.register_parameter
 
     def on_meta(module, name, param):

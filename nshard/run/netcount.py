@@ -48,20 +48,16 @@ def not_countable(backend: str, infiniband: Path = INFINIBAND) -> str | None:
 def tx_bytes(interface: str | None) -> int | None:
     """Bytes the kernel has transmitted on `interface`; None when there is no such interface.
 
-    Read from /proc/net/dev, which always shows the reading process's own network namespace
+    psutil reads /proc/net/dev, which always shows the reading process's own network namespace
     (/sys/class/net shows whichever namespace sysfs was mounted in), same counter as
     /sys/class/net/IF/statistics/tx_bytes."""
     if interface is None:
         return None
     try:
-        lines = Path("/proc/net/dev").read_text().splitlines()[2:]
+        counters = psutil.net_io_counters(pernic=True).get(interface)
     except OSError:
         return None
-    for line in lines:
-        name, _, fields = line.partition(":")
-        if name.strip() == interface:
-            return int(fields.split()[8])  # 8 receive fields come first
-    return None
+    return counters.bytes_sent if counters else None
 
 
 def where(backend: str = "gloo") -> dict:
