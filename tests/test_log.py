@@ -34,20 +34,11 @@ def say_all():
     log.error("broken", extra={"rank": int(os.environ.get("RANK", "0"))})
 
 
-def test_rank_0_logs_status_on_stdout_and_warnings_on_stderr(env, capsys):
-    env(RANK="0")
+@pytest.mark.parametrize("rank,status", [("0", "nshard: status 1\n"), ("1", "")])
+def test_rank_0_logs_status_on_stdout_and_every_rank_warnings_on_stderr(env, capsys, rank, status):
+    env(RANK=rank)
     say_all()
-    out, err = capsys.readouterr()
-    assert out == "nshard: status 1\n"
-    assert err == "nshard: warning: careful\nnshard: error (rank 0): broken\n"
-
-
-def test_another_rank_logs_only_warnings_and_errors(env, capsys):
-    env(RANK="1")
-    say_all()
-    out, err = capsys.readouterr()
-    assert out == ""
-    assert err == "nshard: warning: careful\nnshard: error (rank 1): broken\n"
+    assert capsys.readouterr() == (status, f"nshard: warning: careful\nnshard: error (rank {rank}): broken\n")
 
 
 def test_the_level_and_the_ranks_are_set_by_the_environment(env, capsys):
