@@ -26,6 +26,7 @@ from nshard.cli import SPELLING_NOTE, ArgumentParser, prog
 from nshard.analysis.paired import PairingError, cases_for_one_loss, declared_power, mean_interval, paired_bounds
 from nshard.analysis.validated import NotValidated, check_validated
 from nshard.evidence.commit import CommitError, check_committed_as, files_sha256, load_commitment, model_files
+from nshard.files import atomic_file, write_text_atomic
 
 FAMILY_TITLES = {"lookup": "Lookup", "filtering": "Filtering", "sorting": "Sorting", "invoice": "Invoice totals",
                  "cheapest": "Cheapest item", "acronym": "Acronym", "chat": "Own held-out rows, exact match"}
@@ -1066,13 +1067,12 @@ def expert_load_plot(plt, arms: list[dict], path: Path, tag: str) -> Path:
 
 
 def _save(fig, path: Path) -> Path:
-    tmp = path.with_name(path.stem + ".tmp.png")
     fig.tight_layout()
-    fig.savefig(tmp, dpi=110)
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
     import matplotlib.pyplot as plt
 
     plt.close(fig)  # pyplot keeps every figure it made until closed
-    tmp.replace(path)
     return path
 
 
@@ -1083,9 +1083,7 @@ def write_outputs(study_dir: Path) -> dict:
               "plots": [str(p.relative_to(study_dir)) for p in plots]}
     for path, text in ((study_dir / "results.json", json.dumps(public, indent=1, sort_keys=True) + "\n"),
                        (study_dir / "report.md", render_report(results))):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+        write_text_atomic(path, text)
     return results
 
 

@@ -3,7 +3,7 @@
 #   bash launch/gpu_bundle.sh [DIR]        (default .gpu-bundle, ignored by git)
 # DIR gets the cp312 manylinux x86_64 wheels that the GPU image (Python 3.12, torch 2.11, transformers 5.17, numpy,
 # mpi4py, ninja) lacks and the check imports -- DeepSpeed 0.19.8 built without ops, hjson, pydantic with its binary
-# core and what pydantic needs, py-cpuinfo -- plus nshard itself as a wheel, and requirements.txt, the list the device
+# core and what pydantic needs, py-cpuinfo, tomli-w (nshard writes --set plans with it) -- plus nshard itself as a wheel, and requirements.txt, the list the device
 # installs with no index (launch/gpu_device.sh). Downloaded wheels are cached in NSHARD_BUNDLE_CACHE (default
 # ~/.cache/nshard-gpu-bundle), so a second build asks the index nothing. Prints DIR's size and the size of what a
 # device call carries (the working tree that travels plus DIR), and fails past the device's 64 MiB.
@@ -15,7 +15,7 @@ cache=${NSHARD_BUNDLE_CACHE:-$HOME/.cache/nshard-gpu-bundle}
 py=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 # Exact versions: what the rehearsal (launch/gpu_rehearse.sh) installed and ran. The device resolves DeepSpeed's and
 # pydantic's needs against the image's packages and these wheels, with no index.
-installs=(deepspeed==0.19.8 hjson==3.1.0 pydantic==2.14.4 py-cpuinfo==9.0.0)
+installs=(deepspeed==0.19.8 hjson==3.1.0 pydantic==2.14.4 py-cpuinfo==9.0.0 tomli-w==1.2.0)
 needed=(pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0)
 mkdir -p "$cache"
 wheel_of() { find "$cache" -maxdepth 1 -iname "$(echo "${1%%==*}" | tr - _)-${1##*==}-*.whl" | head -1; }

@@ -77,7 +77,8 @@ class Step:
 
 
 def toml_text(data: dict) -> str:
-    """A plan dict (scalars and lists at the top, then one table per section) as TOML."""
+    """A plan dict (scalars and lists at the top, then one table per section) as TOML. Written by hand, not by
+    nshard.cli.toml_text: this runs before the bundle's packages are known to import on the GPU image."""
     def value(v):
         if isinstance(v, bool):
             return "true" if v else "false"
@@ -147,9 +148,7 @@ def write_inputs(out: Path, cpu: bool = False) -> dict[str, Path]:
 
 
 def _write(path: Path, text: str) -> Path:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    write_text_atomic(path, text)
     return path
 
 

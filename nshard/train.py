@@ -14,9 +14,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # launched as a script path: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nshard.cli import (SPELLING_NOTE, ArgumentParser, add_ds_config_arguments, add_plan_overrides,  # noqa: E402
+from nshard.cli import (SPELLING_NOTE, ArgumentParser, add_ds_config_arguments, add_plan_overrides,
                         ds_config_path, plan_with_overrides)
-from nshard.seam.launch_env import prepare_process_env  # noqa: E402
+from nshard.seam.launch_env import prepare_process_env
 
 IMPORT_FIX = ("install nshard with its dependencies (bash launch/setup.sh, or pip install -e .; on a lent GPU machine "
               "the bundle: docs/gpu.md#the-offline-bundle)")
@@ -76,6 +76,7 @@ def main(argv=None) -> int:
         args = parse_args(argv)
         prepare_process_env()
         from nshard.files import write_json_atomic
+        from nshard.log import log
         from nshard.run.data import DataError
         from nshard.seam.ds_config import DsConfigError, load_ds_config, reducer_config
         from nshard.run.plan import PlanError, load_plan
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
         given_ds_config, ds_config = ds_config, preflight(plan, ds_config, world_size)  # completed from the plan, once
         if args.resolved_ds_config:
             write_json_atomic(args.resolved_ds_config, ds_config)
-            print(f"nshard: wrote {args.resolved_ds_config} (world size {world_size}); trained nothing")
+            log.info("wrote %s (world size %d); trained nothing", args.resolved_ds_config, world_size)
             return 0
         out = Path(args.out) if args.out else plan.run_dir()
         resume_from = (find_resumable(out, plan_path, Path(args.ds_config), world_size, args.elastic)
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
             start = grown_start(start, args.grown)
         check_memory(plan, given_ds_config, ds_config, world_size, start)  # the predicted peak fits this device
     except (PlanError, DsConfigError, DataError, RunError, OSError, ValueError) as exc:
-        print(f"nshard: error: {exc}", file=sys.stderr)
+        log.error("%s", exc)
         return 2
     mark("imports and checks")
     init_distributed()
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
         dist.barrier()
         return 0
     except (PlanError, DsConfigError, DataError, RunError, RanksDisagree, OSError) as exc:
-        print(f"nshard: error (rank {run.rank}): {exc}", file=sys.stderr)
+        log.error("%s", exc, extra={"rank": run.rank})
         return 2
     finally:  # without it, gloo ranks sometimes abort at exit ("terminate called without an active exception")
         dist.destroy_process_group()

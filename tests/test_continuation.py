@@ -57,7 +57,7 @@ def test_replay_by_family_refuses_what_cannot_be_replayed(cases, screened, words
 def test_the_plan_refuses_two_replay_rules_and_bad_counts():
     with pytest.raises(PlanError, match="cohort.first_cohort_share and cohort.replay_cases both"):
         cohort_plan(replay_cases={"lookup": 6}, first_cohort_share=0.25)
-    with pytest.raises(PlanError, match=r"cohort.replay_cases.lookup=-1: give a whole number"):
+    with pytest.raises(PlanError, match=r"cohort.replay_cases=\{.lookup.: -1\}: give each family a whole number"):
         cohort_plan(replay_cases={"lookup": -1})
     with pytest.raises(PlanError, match=r"\[cohort.replay_cases\] table"):
         cohort_plan(replay_cases=6)

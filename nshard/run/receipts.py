@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from nshard.files import write_json_atomic
+from nshard.files import write_json_atomic, write_text_atomic
 
 PROCESS_START = psutil.Process().create_time()
 """When the kernel started this process (psutil; a DeepSpeed dependency), imports included."""
@@ -315,9 +315,7 @@ class MetricsLog:
 
     def __init__(self, path: Path | None, resume_after: int = 0):
         if path and resume_after:  # the kept lines, byte for byte, replace the file in one rename
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(line + "\n" for line in metrics_through(path, resume_after)))
-            tmp.replace(path)
+            write_text_atomic(path, "".join(line + "\n" for line in metrics_through(path, resume_after)))
         self._file = path.open("a" if resume_after else "w") if path else None
 
     def write(self, record: dict) -> None:

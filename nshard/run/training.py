@@ -31,7 +31,8 @@ from nshard.comm.config import ReducerConfig
 from nshard.evidence.export import write_manifest
 from nshard.seam.ds_config import precision as ds_precision
 from nshard.run.loss import deepspeed_backward_scale, rank_microbatches, weighted_nll_sum
-from nshard.files import file_sha256, write_json_atomic
+from nshard.files import file_sha256, rename_durably, write_json_atomic
+from nshard.log import log
 from nshard.run.plan import Plan
 from nshard.run.ranks import RunError, all_ranks, on_main_rank, on_main_rank_long
 from nshard.run.receipts import GpuPeaks, MetricsLog, Receipt, mark, parameter_root, startup
@@ -85,8 +86,7 @@ def check_memory(plan: Plan, given: dict, completed: dict, world_size: int, star
     group exists. NSHARD_MEMORY_CHECK=warn prints the refusal and goes on, =off skips it; a model the memory model
     cannot size is noted and not refused. Returns the prediction (None when skipped or not made)."""
     import os
-    import sys
-
+    
     from nshard.analysis.memory_model import CHECK_ENV, CHECK_MODES, plan_peak, refusal, summary
 
     mode = os.environ.get(CHECK_ENV, "refuse") or "refuse"
@@ -102,17 +102,16 @@ def check_memory(plan: Plan, given: dict, completed: dict, world_size: int, star
         report = plan_peak(plan, ds_config, world_size, model_dir=model_dir,
                            shapes=meta_shapes(model_dir) if model_dir is not None else None)
     except (OSError, ValueError, KeyError) as exc:  # a model it cannot size: say so, do not refuse
-        if main:
-            print(f"nshard: note: memory not planned ({exc})", file=sys.stderr, flush=True)
+        log.info("note: memory not planned (%s)", exc)
         return None
     if not report["fits"]:
         line = refusal(report, f"plan {plan.name} on {world_size} rank{'s' if world_size > 1 else ''}")
         if mode == "refuse" and refused(report):
             raise RunError(line)
-        if main:
-            print(f"nshard: warning: {line}", file=sys.stderr, flush=True)
-    elif main:
-        print(f"nshard: memory: {summary(report)}", flush=True)
+        if main:  # the same on every rank: said once
+            log.warning("%s", line)
+    else:
+        log.info("memory: %s", summary(report))
     return report
 
 
@@ -386,7 +385,7 @@ def export_model(run: Run, engine, tokenizer, prepared_identity: str) -> str:
             write_manifest(tmp, parameter_root=root, plan_sha256=file_sha256(run.plan_path),
                            ds_config_sha256=file_sha256(run.ds_config_path), prepared_identity=prepared_identity,
                            weights=weights)
-            tmp.replace(run.out / "model")
+            rename_durably(tmp, run.out / "model")
     return root
 
 
@@ -403,7 +402,7 @@ def record_resume(run: Run, point: state_mod.ResumePoint, inputs: tuple) -> dict
     record = {**point.record(), "skipped": state_mod.set_aside(run.out, point.skipped)}
     write_run_json(run, "running", resumed_from_update=point.update, resumed_from=record)
     skipped = "".join(f"; skipped {s['state']} ({s['why']}), kept at {s['kept_at']}" for s in record["skipped"])
-    print(f"nshard: resumed from state {point.state.name} (update {point.update}){skipped}", flush=True)
+    log.info("resumed from state %s (update %d)%s", point.state.name, point.update, skipped)
     return record
 
 
@@ -421,9 +420,8 @@ def start_cohort(run: Run, engine, seam) -> dict:
     "state") or its export was (start = "weights"); either way checked on every rank before training."""
     record = (restore(engine, seam, run.start, run.rank, run.out) if run.start.kind == "state"
               else weights_record(engine, run.start))
-    if run.is_main:
-        print(f"nshard: second cohort from {run.start.provenance['candidate']} of {run.start.provenance['study']} "
-              f"({record['kind']}, parameter root {record['parameter_root'][:16]})", flush=True)
+    log.info("second cohort from %s of %s (%s, parameter root %s)", run.start.provenance["candidate"],
+             run.start.provenance["study"], record["kind"], record["parameter_root"][:16])
     return record
 
 
@@ -446,7 +444,7 @@ def check_budget(run: Run, model_ref, prepared, schedule) -> dict | None:
 def run_training(run: Run, overwrite: bool = False, resume_from: state_mod.ResumePoint | None = None) -> dict:
     """A fresh run, or (resume_from: a state found by nshard.run.state.find_resumable) one continued from a state.
     Rank 0 owns the run directory for the run's life (nshard/lock.py); a run that holds it refuses every rank."""
-    owner = on_main_rank(run, lock.acquire, run.out, note=lambda line: print(f"nshard: {line}", flush=True))
+    owner = on_main_rank(run, lock.acquire, run.out, note=log.info)
     try:
         return train_owned(run, overwrite, resume_from)
     finally:

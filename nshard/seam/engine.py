@@ -288,7 +288,7 @@ def load_checkpoint_resharded(engine, state: Path, scratch: Path, is_main: bool,
         try:
             scratch.mkdir(parents=True, exist_ok=True)
             to_universal(state / DS_CHECKPOINT_TAG, scratch / "universal")
-        except Exception as exc:  # DeepSpeed's converter asserts; every rank reports it below
+        except Exception as exc:  # noqa: BLE001 -- DeepSpeed's converter asserts; every rank reports it below
             error = f"{type(exc).__name__}: {exc}"
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)

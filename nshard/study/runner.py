@@ -32,6 +32,7 @@ from nshard import lock
 from nshard.cli import SPELLING_NOTE, ArgumentParser, add_plan_overrides, plan_with_overrides, prog
 from nshard.evidence.archive import ArchiveError, create_study_archive
 from nshard.files import file_sha256, write_json_atomic
+from nshard.log import log
 from nshard.run.device import cuda_available
 from nshard.study import growth as growth_mod
 from nshard.study import placement as placement_mod
@@ -249,9 +250,9 @@ def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: di
         attempts.append(attempt)
         ok = attempt["rc"] == 0 and arm_is_done(run_dir, plan_sha, ds_sha, arm.ranks, arm.replay)
         if fault and ok:
-            print(f"nshard: warning: arm {arm.name}: the plan's fault NSHARD_FAULT={fault} did not stop it: the "
-                  "variable did not reach the rank (local launches and the emulated hosts pass it; other hosts' sshd "
-                  "must accept NSHARD_* variables)", file=sys.stderr, flush=True)
+            log.warning("arm %s: the plan's fault NSHARD_FAULT=%s did not stop it: the variable did not reach the "
+                        "rank (local launches and the emulated hosts pass it; other hosts' sshd must accept NSHARD_* "
+                        "variables)", arm.name, fault)
         if ok:
             break
         after = resume_point(run_dir, plan_path, ds_config, arm.ranks)
@@ -389,7 +390,7 @@ def say_declared_power(plan: Plan, arms: dict[str, Path]) -> list[dict]:
     for power, line in zip(powers, power_lines(powers)):
         say(f"declared power: {line[2:]}")
         if power.get("cases_for_90"):  # under 80%: declare more cases
-            print(f"nshard: warning: {line[2:]}", file=sys.stderr, flush=True)
+            log.warning("%s", line[2:])
     return powers
 
 

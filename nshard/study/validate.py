@@ -343,7 +343,7 @@ def _first_token_difference(model, prompt: list[int], stored: list[int], again: 
     b = again[k] if k < len(again) else None
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt + stored[:k]], device=model.device), use_cache=False).logits[0, -1]
-    score = lambda t: "end" if t is None else f"{t} (score {logits[t].item():.6g})"  # noqa: E731
+    score = lambda t: "end" if t is None else f"{t} (score {logits[t].item():.6g})"
     return (f"regenerated answer differs at generated token {k}: the file has {score(a)}, generated again "
             f"{score(b)}; on another kind of CPU a near-tie can flip, see the machine in the validation record")
 
