@@ -80,6 +80,7 @@ def build_engine(model: torch.nn.Module, config: dict):
     # free (the CPU), on a GPU only if the ds_config asks (patches.comms_logger_config); a user's block is kept.
     patches.comms_logger_config(config, patches.device_syncs_per_collective())
     patches.install_grad_count()  # DeepSpeed's gradient bytes, counted with the logger off too
+    use_own_extensions()  # deepspeed.initialize loads its CPU collective (init_distributed) from there
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                            model_parameters=None if optimizer else model.parameters())
     patches.guard(engine)  # every private symbol below and in install_reducer, checked before any is touched
@@ -128,15 +129,24 @@ def reference_switch(variable: str, choices: tuple[str, ...]) -> str:
     return value
 
 
+def use_own_extensions() -> None:
+    """Point torch's JIT op builds at this venv's extension folder (launch_env.extensions_dir), with this venv's
+    ninja, in this process. The launchers' ranks have it from prepare_process_env; a process that builds an engine
+    without them (a notebook, a spawned test rank) used torch's default folder, one for every venv of a user, where
+    a build killed half-way leaves a lock that makes every later process wait forever (seen in CI: both ranks of a
+    spawned test waited 300 s on ~/.cache/torch_extensions/py311_cpu/deepspeed_shm_comm/lock)."""
+    from nshard.seam.launch_env import extensions_dir, pin_ninja
+
+    os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir()
+    pin_ninja()
+
+
 def build_cpu_comm_extension() -> None:
     """Compile (or load) DeepSpeed's CPU shared-memory collective now; otherwise the first
     init_distributed on a machine compiles it (~40 s) inside whichever run comes first."""
     from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
 
-    from nshard.seam.launch_env import extensions_dir, pin_ninja
-
-    os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir()  # where the launched ranks will look (prepare_process_env)
-    pin_ninja()  # the ninja the ranks will use (prepare_process_env): another one would rebuild it
+    use_own_extensions()  # where the launched ranks will look, with the ninja they use (prepare_process_env)
     with _noting_a_build():
         ShareMemCommBuilder().load(verbose=False)
 
@@ -178,6 +188,7 @@ def init_distributed() -> None:
     from nshard.run.device import bind_local_gpu, dist_backend
 
     bind_local_gpu()
+    use_own_extensions()
     with _noting_a_build():
         deepspeed.init_distributed(dist_backend=dist_backend(torch.cuda.is_available()))
     _unlink_shm_workspace()
