@@ -4,7 +4,10 @@
 
 What is timed is what follows an update's last backward on the one-rank arm (ds_configs/cpu-dense.json's dense reducer,
 bf16 at stage 0, one gloo process): nshard's reduction and hand-over to DeepSpeed (reducer_compute) and DeepSpeed's
-step (optimizer_step), by the phase clock (nshard/phases.py), as the receipts split an update. The microbatch sums
+step (optimizer_step), by the phase clock (nshard/phases.py), as the receipts split an update, but in this thread's
+CPU seconds (--clock cpu, the default: torch computes on this thread with --threads 1, so the load of other
+processes on a shared machine does not enter them; --clock wall times wall seconds, as the receipts do; the update's
+wall seconds are printed either way). The microbatch sums
 are filled with the same random gradients (N(0, --grad_std): norms over the clip of 1.0, so the clip applies) in
 both ways. Old: the reduction with itself (NSHARD_ONE_RANK_REDUCTION=run) and HandOver into DeepSpeed's per-parameter
 FP16_UnfusedOptimizer step (NSHARD_BF16_STEP=deepspeed). New (the default): no reduction on one rank, and the
@@ -16,8 +19,8 @@ builds its own engine in turn (one at a time, to bound memory). SmolLM2-135M is 
 state (about 40 GB on this path) does not fit a 24 GiB machine: --layers_1_7b of its 24 decoder layers are trained,
 with the embedding frozen (not stepped), and the seconds are scaled by the full model's trained parameters over the
 slice's, which the output says (every timed operation is a pass over the gradients, masters or moments). The
-machine's load average is printed before and after: on a shared machine the absolute seconds move, the ratio from
-the same run less. Writes nothing unless --out names a file.
+machine's load average is printed before and after. Exits 1 when the two ways do not end bit-identical. Writes
+nothing unless --out names a file.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ MODELS = {"135m": "smollm2-135m", "1.7b": "smollm2-1.7b"}
 WAYS = {"old": {"NSHARD_ONE_RANK_REDUCTION": "run", "NSHARD_BF16_STEP": "deepspeed"},
         "new": {"NSHARD_ONE_RANK_REDUCTION": "skip", "NSHARD_BF16_STEP": "flat"}}
 TIMED = ("reducer_compute", "collective_wait", "optimizer_step")
+CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
 
 
 def build_parser():
@@ -51,6 +55,9 @@ def build_parser():
     parser.add_argument("--updates", type=int, default=3, help="timed updates per way, after one untimed")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (one per rank, as the study runs)")
     parser.add_argument("--grad_std", type=float, default=2e-4, help="standard deviation of the random gradients")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu", help="what the phases are timed by: cpu, "
+                        "this thread's CPU seconds (time.thread_time: another process's load does not enter them; "
+                        "torch runs on this thread with --threads 1), or wall (time.perf_counter, as the receipts)")
     parser.add_argument("--out", type=Path, help="also write the JSON summary here")
     return parser
 
@@ -116,22 +123,24 @@ def one_way(way: str, config, sliced: bool, args) -> dict:
     engine = engine_mod.build_engine(build_model(config, sliced), ds_config())
     seam = engine_mod.install_reducer(engine, parse_config(section))
     phases, norms = [], []
+    now = CLOCK.now = CLOCKS[args.clock]
     for update in range(1 + args.updates):
         fill(seam.microbatch_sums(), update, args.grad_std)
         CLOCK.start()
-        t0 = time.perf_counter()
+        t0, wall = now(), time.perf_counter()
         seam.finish_update(engine)
-        seconds = time.perf_counter() - t0
+        seconds, wall = now() - t0, time.perf_counter() - wall
         timing = CLOCK.stop(seconds)["phases"]
         norms.append(float(engine.get_global_grad_norm()))
         if update:
-            phases.append({**{k: timing[k] for k in TIMED}, "update_s": seconds})
+            phases.append({**{k: timing[k] for k in TIMED}, "update_s": seconds, "wall_s": wall})
     state = engine_mod.full_optimizer_state(engine)
     roots = {"weights": parameter_root(engine.module.named_parameters()),
              "optimizer": parameter_root((f"{n}.{k}", t) for n, kept in state.items() for k, t in kept.items())}
     record = {"way": way, "master_step": engine_mod.optimizer_record(engine, ds_config())["master_step"],
               "one_rank_skip": seam.one_rank_skip, "grad_norms": norms, "roots": roots,
-              "median_s": {k: statistics.median(p[k] for p in phases) for k in (*TIMED, "update_s")}, "updates": phases}
+              "median_s": {k: statistics.median(p[k] for p in phases) for k in (*TIMED, "update_s", "wall_s")},
+              "updates": phases}
     record["median_s"]["fixed"] = record["median_s"]["reducer_compute"] + record["median_s"]["optimizer_step"]
     del engine, seam, state
     gc.collect()
@@ -170,11 +179,14 @@ def report(body: dict) -> None:
           f"{cpu['model_number']}; {', '.join(cpu['flags']) or 'no listed flags'}); torch {body['torch']}")
     print(f"bf16 units: {body['bf16_units']}" + ("" if body["bf16_native"] else
           " -> bf16 FORCED on a CPU without bf16 units (bf16.enabled true): the seconds are not this CPU's bf16 path"))
-    print(f"load average before {body['load_before']}, after {body['load_after']} (a shared machine moves the "
-          "absolute seconds; old and new ran one after the other in this process)")
+    clock = ("this thread's CPU seconds (time.thread_time; torch on this thread)" if body["clock"] == "cpu" else
+             "wall seconds (time.perf_counter)")
+    print(f"phases timed in {clock}; load average before {tuple(round(x, 1) for x in body['load_before'])}, after "
+          f"{tuple(round(x, 1) for x in body['load_after'])} (on a shared machine wall seconds move with the load; old "
+          "and new ran one after the other in this process)")
     print("| model (trained parameters) | way | reducer_compute s | collective_wait s | optimizer_step s | "
-          "reducer_compute + optimizer_step s | new / old |")
-    print("|---|---|---|---|---|---|---|")
+          "reducer_compute + optimizer_step s | new / old | wall s |")
+    print("|---|---|---|---|---|---|---|---|")
     for m in body["models"]:
         label = f"{m['model']} ({m['trained_parameters']:,})"
         if m["sliced"]:
@@ -185,13 +197,14 @@ def report(body: dict) -> None:
             ratio = f"{m['new_over_old']:.1%}" if way == "new" else ""
             print(f"| {label} | {way} | {s['reducer_compute']:.3f} | {s['collective_wait']:.3f} | "
                   f"{s['optimizer_step']:.3f} | {s['fixed']:.3f}"
-                  + (f" (scaled: {s['fixed'] * m['scale']:.3f})" if m["sliced"] else "") + f" | {ratio} |")
+                  + (f" (scaled: {s['fixed'] * m['scale']:.3f})" if m["sliced"] else "")
+                  + f" | {ratio} | {s['wall_s']:.3f} |")
     for m in body["models"]:
         norms = m["ways"]["new"]["grad_norms"]
         print(f"{m['model']}: old / new {m['old_over_new']:.2f}x; final bf16 weights, fp32 masters and AdamW moments "
               f"{'BIT-IDENTICAL' if m['bit_identical'] else 'DIFFERENT'} (weights root "
               f"{m['ways']['new']['roots']['weights'][:16]}); gradient norms {min(norms):.2f}-{max(norms):.2f} "
-              "(clipped to 1.0)")
+              f"({'over' if min(norms) > 1 else 'not all over'} the clip of 1.0)")
 
 
 def main(argv=None) -> int:
@@ -211,7 +224,8 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo", rank=0, world_size=1)
     native, why = bf16_units()
     body = {"cpu": cpu(), "torch": torch.__version__, "threads": args.threads, "bf16_native": native,
-            "bf16_units": why, "load_before": os.getloadavg(), "updates": args.updates, "grad_std": args.grad_std}
+            "bf16_units": why, "load_before": os.getloadavg(), "updates": args.updates, "grad_std": args.grad_std,
+            "clock": args.clock}
     try:
         body["models"] = [bench_model(name, args) for name in args.models]
     finally:

@@ -125,6 +125,18 @@ class IngestSeam(ReducerSeam):
         else:
             sources = {n: self._sum(n) for n in self.params}
             self.reducer.reduce(sources)
+        if self.flat is not None:
+            # bf16 at stage 0: the sums are the masters' fp32 gradients. Rounding them to the bf16 values the optimizer
+            # takes and zeroing them after its step are the optimizer's gradient handling (DeepSpeed's own step made
+            # its fp32 copies and dropped them), not reduction work: optimizer_step, with no reducer as with one
+            # (a summed update's outputs, computed as they are written, stay reducer_compute).
+            with phase("optimizer_step"):
+                self.flat.deliver(sources, {n: p.dtype for n, p in self.params.items()})
+                if update is not None:
+                    update.finish()
+                engine.step()
+                self.flat.zero_()
+            return
         with phase("reducer_compute"):  # the hand-over (a summed update's outputs computed as they are taken)
             if self.partition_writer is not None:  # ZeRO-1/2: straight into the owned partition
                 writer = self.partition_writer
@@ -132,8 +144,6 @@ class IngestSeam(ReducerSeam):
                 for n, p in self.params.items():
                     writer.write(p, sources[n]() if callable(sources[n]) else sources[n])
                 writer.finish()
-            elif self.flat is not None:  # bf16 at stage 0: into the masters' fp32 gradients, as bf16 values
-                self.flat.deliver(sources, {n: p.dtype for n, p in self.params.items()})
             else:  # bf16 at stage 0, NSHARD_BF16_STEP=deepspeed: through DeepSpeed's own gradient hooks
                 surrogate = sum(HandOver.apply(p, sources[n]) for n, p in self.params.items())
                 engine.backward(surrogate, scale_wrt_gas=False)
@@ -142,11 +152,8 @@ class IngestSeam(ReducerSeam):
         with phase("optimizer_step"):
             engine.step()
         with phase("reducer_compute"):
-            if self.flat is not None:
-                self.flat.zero_()
-            else:
-                for acc in self.accumulated.values():
-                    acc.zero_()
+            for acc in self.accumulated.values():
+                acc.zero_()
 
 
 def _adder(acc: torch.Tensor, final=None):
