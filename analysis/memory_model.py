@@ -21,7 +21,8 @@ L the largest tensor, w bytes per module weight):
 - accumulators: the ingest seam's fp32 microbatch sums (nshard/seam/ingest.py IngestSeam): 4P when an update has
   several microbatches (microbatch_sums "exact"), 4D when the compressed matrices are summed straight into
   their error memory (one microbatch per update, or microbatch_sums "error"); always 4P under
-  nshard.overlap_backward.
+  nshard.overlap_backward. bf16 at stage 0: always 4P, one flat buffer that is also the fp32 gradients the masters
+  step from (FlatGradients; no other gradient buffer, no bf16 .grad).
 - error: PowerSGD's fp32 error memory, one (n, m) matrix per compressed parameter (4C).
 - pq: the flat P and Q buffers, r(n+m) floats per compressed matrix.
 - optimizer: AdamW exp_avg + exp_avg_sq (8P; 8P/N under ZeRO-1/2).
@@ -197,7 +198,8 @@ def phases(shapes: Shapes, c: Config) -> dict[str, dict[str, float]]:
             "master": 4 * P / N if pooled else (4 * P if c.bf16 else 0), "error": 4 * C, "pq": 4 * PQ}
     ingest = c.reducer == "powersgd" and (zero or c.bf16)  # engine.ingest_mode
     if ingest:
-        base["accumulators"] = 4 * D if c.sums_in_error else 4 * P
+        # bf16 at stage 0: one flat fp32 buffer, the sums and the masters' gradients (nshard/seam/ingest.py FlatGradients)
+        base["accumulators"] = 4 * D if c.sums_in_error and zero else 4 * P
     act = activation_bytes(shapes, c.tokens_per_microbatch, c.bf16, c.activation_checkpointing)
     owned = 4 * P / N  # ZeRO's flat gradient partition (fp32)
     if zero:
@@ -217,7 +219,7 @@ def phases(shapes: Shapes, c: Config) -> dict[str, dict[str, float]]:
         # The bucket is gone by the step at both stages (one micro-step per update): a stage-1 term for it
         # over-predicted ZeRO-1 by 10-14% on the 1.7B shapes.
         grads_step = {"grads": owned}
-    elif c.bf16:  # FP16_UnfusedOptimizer: whole fp32 gradients for the masters, bf16 .grad transient
+    elif c.bf16:  # FP16_UnfusedOptimizer: whole fp32 gradients for the masters (nshard's flat buffer: the sums)
         step_temps, staged = adamw_temps(c, L, P), None  # None: no all-gather phase
         grads_backward = {"grads": 4 * P + w * L}
         grads_step = {"grads": 4 * P}
@@ -243,9 +245,9 @@ def phases(shapes: Shapes, c: Config) -> dict[str, dict[str, float]]:
             # ZeroPartitionWriter: the owned partition, and one matrix's output (4L) while its slice is copied.
             out["hand-over"] = {**base, "grads": owned, "transient": held + 4 * L}
         else:
-            # bf16 at stage 0: HandOver's per-parameter gradient (and its rounded copy) into DeepSpeed's hook.
-            out["hand-over"] = {**base, **grads_backward, "transient": held + w * L * 2}
-        out["step"] = {**base, **grads_step, "transient": step_temps + held}
+            # bf16 at stage 0: each sum rounded in place, or one matrix's output (4L) written into its view.
+            out["hand-over"] = {**base, "transient": held + 4 * L}
+        out["step"] = {**base, **(grads_step if zero else {}), "transient": step_temps + held}
         if staged is not None:
             out["all-gather"] = {**base, "transient": staged + held}
     else:

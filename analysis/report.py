@@ -220,6 +220,7 @@ def execution_block(run_dir: Path, ranks: int, usd_per_gb: float, launch: dict |
             "precision": receipts[0].get("precision"),
             "optimizer": optimizer_of(receipts),
             "reduction_start": reduction_start_of(receipts),
+            "one_rank_reduction": (receipts[0].get("reduction_ran") or {}).get("one_rank") if ranks == 1 else None,
             "startup_s": max((u["s"] for u in startups), default=None),
             "one_time_work": sorted({w for u in startups for w in u["one_time_work"]}) if startups else None,
             "launch_s": min(starts) - began if starts and began is not None else None,
@@ -756,6 +757,8 @@ def reduction_start_of(receipts: list[dict]) -> str | None:
     them, over every rank's updates, that started before the backward ended; or DeepSpeed's own reduction (whose
     ZeRO overlap_comm is DeepSpeed's setting). Ranks that disagree are an error."""
     ran = [r.get("reduction_ran") or {} for r in receipts]
+    if len(ran) == 1 and ran[0].get("one_rank") == "skipped":
+        return "none: one rank"
     if ran and all(x.get("configured") == "deepspeed" for x in ran):
         return "DeepSpeed's own reduction"
     if not all("overlap_backward" in x for x in ran):
@@ -769,6 +772,26 @@ def reduction_start_of(receipts: list[dict]) -> str | None:
     planned = sum(f["updates"] * f["buckets"] for f in found)
     share = f"{100 * sum(f['started_in_backward'] for f in found) / planned:.0f}%" if planned else "none"
     return f"during the last backward: {found[0]['buckets']} buckets, {share} started before it ended"
+
+
+def control_lines(results: dict) -> list[str]:
+    """What each one-rank arm did to reduce its gradients (receipts' reduction_ran.one_rank) and the reducer_compute
+    of its median update: a control that reduces with itself pays for work a single worker does not need, which
+    flatters every speedup measured against it."""
+    lines = []
+    for arm in results["arms"]:
+        e = arm.get("execution") or {}
+        done = e.get("one_rank_reduction")
+        if arm.get("ranks") != 1 or arm.get("status") != "complete" or done is None:
+            continue
+        split = update_phases(arm)
+        compute = _num(split and split[1].get("reducer_compute"), "{:.3f} s")
+        lines.append(f"- {arm['name']}: one rank, no gradient reduction (none needed: the average of one gradient is "
+                     f"itself); its median update's reducer_compute is {compute}" if done == "skipped" else
+                     f"- {arm['name']}: one rank that still reduced its gradients with itself "
+                     f"(NSHARD_ONE_RANK_REDUCTION=run): {compute} of reducer_compute in its median update, work "
+                     "that a single worker does not need")
+    return lines
 
 
 def execution_table(results: dict) -> str:
@@ -952,6 +975,7 @@ def render_report(results: dict) -> str:
     for name, sp in s["speedups"].items():
         lines.append(f"- {name}: complete-process speedup {sp['complete_process']:.3f}×, active {sp['active']:.3f}×, "
                      f"{sp['device_seconds_ratio']:.3f}× the baseline's device seconds")
+    lines += control_lines(results)
     lines += ["", "## Evidence", ""]
     for arm in results["arms"]:
         if arm["status"] == "complete":

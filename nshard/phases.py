@@ -45,7 +45,8 @@ WHAT = {
                        "(engine.allreduce_gradients)",
     "collective_wait": "inside collectives: deepspeed.comm's gradient collectives, the reducer's transport, the rings "
                        "and delta exchange of the parameters",
-    "optimizer_step": "engine.step(): gradient norm, clipping, AdamW, scheduler",
+    "optimizer_step": "engine.step(): gradient norm, clipping, AdamW, scheduler (bf16 at stage 0 also the rounding of "
+                      "nshard's flat fp32 gradients to the bf16 values the step takes, and their zeroing after it)",
     "parameter_sync": "the parameters' all-gather or delta sync that ends a partitioned step, less its collectives",
     REST: "the update's time no phase claims (building microbatches, the closing synchronization)"}
 

@@ -672,3 +672,32 @@ def test_the_report_splits_each_arms_median_update_by_phase_and_names_what_does_
     assert (tmp_path / "plots" / "update_phases.png") in write_plots(results, tmp_path / "plots")
     assert phase_table(analyze(make_study(tmp_path / "b", candidate_correct=60, retention_shift=0.0,
                                           candidate_process_s=80.0))) == []
+
+
+@pytest.mark.parametrize("done", ["skipped", "ran"])
+def test_the_speed_section_says_whether_the_one_rank_control_reduced_anything(tmp_path, done):
+    """The one-rank arm's receipt says whether it reduced its gradients with itself (reduction_ran.one_rank); the
+    execution table and the speed section say so, with the reducer_compute of its median update."""
+    from nshard.analysis.report import render_report
+
+    study = make_study(tmp_path, candidate_correct=60, retention_shift=0.0, candidate_process_s=80.0)
+    compute = 0.0004 if done == "skipped" else 1.207
+    (path,) = (study / "arms" / "one-rank" / "receipts").glob("rank-*.json")
+    receipt = json.loads(path.read_text())
+    receipt["reduction_ran"] = {"configured": "dense", "one_rank": done, "overlap_backward": None}
+    receipt["by_phase"]["dense"] = {"updates": 2, "median_update_s": 9.0, "median_phase_s": {
+        "forward_backward": 8.0, "reducer_compute": compute, "optimizer_step": 0.5}}
+    path.write_text(json.dumps(receipt))
+    results = analyze(study)
+    one = next(a for a in results["arms"] if a["name"] == "one-rank")
+    assert one["execution"]["one_rank_reduction"] == done
+    assert all(a["execution"]["one_rank_reduction"] is None for a in results["arms"] if a["ranks"] > 1)
+    report = render_report(results)
+    if done == "skipped":
+        assert one["execution"]["reduction_start"] == "none: one rank"
+        assert ("- one-rank: one rank, no gradient reduction (none needed: the average of one gradient is itself); its "
+                "median update's reducer_compute is 0.000 s") in report
+    else:
+        assert one["execution"]["reduction_start"] == "after the last backward"
+        assert "- one-rank: one rank that still reduced its gradients with itself (NSHARD_ONE_RANK_REDUCTION=run): " \
+               "1.207 s of reducer_compute in its median update" in report

@@ -34,6 +34,19 @@ def test_bench_powersgd_runs_one_update_per_arm():
     assert "ratios: nshard/hook time" in proc.stdout
 
 
+def test_bench_bf16_step_times_old_and_new_and_finds_them_bit_identical(tmp_path):
+    """A one-layer slice of each model (the embedding frozen and the seconds scaled, as the 1.7B row is)."""
+    out = tmp_path / "bf16-step.json"
+    proc = script("launch.bench_bf16_step", "--models", "135m", "1.7b", "--layers_135m", "1", "--layers_1_7b", "1",
+                  "--updates", "1", "--out", str(out))
+    assert proc.stdout.count("BIT-IDENTICAL") == 2 and "| new |" in proc.stdout and "bf16 units:" in proc.stdout
+    body = json.loads(out.read_text())
+    for m in body["models"]:
+        assert m["sliced"] and m["scale"] > 1 and m["bit_identical"]
+        assert (m["ways"]["old"]["master_step"], m["ways"]["new"]["master_step"]) == ("per parameter", "flat")
+        assert (m["ways"]["old"]["one_rank_skip"], m["ways"]["new"]["one_rank_skip"]) == (False, True)
+
+
 def test_bench_microbatch_runs_two_sizes_on_the_tiny_plan():
     proc = script("launch.bench_microbatch", "--plan", "launch/plans/tiny.toml", "--sizes", "1", "2",
                   "--updates", "1", "--batch_docs", "2")

@@ -160,7 +160,8 @@ def _complete_engine(stage: int):
 
     optimizer = types.SimpleNamespace(**{a: None for a in patches.OPTIMIZER_API + patches.PRIVATE_ZERO_ATTRS
                                          + patches.PRIVATE_ZERO_PARTITION_ATTRS})
-    engine = types.SimpleNamespace(**{a: None for a in patches.ENGINE_API + patches.PRIVATE_ENGINE_ATTRS})
+    engine = types.SimpleNamespace(**{a: None for a in patches.ENGINE_API + patches.PRIVATE_ENGINE_ATTRS
+                                      + patches.PRIVATE_ONE_RANK_ATTRS})
     engine.optimizer, engine.zero_optimization_stage = optimizer, lambda: stage
     return engine
 
@@ -172,7 +173,8 @@ def test_the_guard_passes_deepspeed_as_installed():
 
 
 @pytest.mark.parametrize("where, attr", [
-    *(("engine", a) for a in ("enable_backward_allreduce", "zero_grad", "module", "backward")),
+    *(("engine", a) for a in ("enable_backward_allreduce", "zero_grad", "module", "backward", "gradient_average",
+                              "gradient_predivide_factor")),
     *(("optimizer", a) for a in ("gradient_reduction_w_predivide", "allreduce_bucket", "flatten",
                                   "params_in_partition", "averaged_gradients", "_build_compact_grad_partition_buffer",
                                   "param_groups")),
@@ -183,6 +185,24 @@ def test_the_guard_names_each_missing_attribute(where, attr):
     engine = _complete_engine(2)
     delattr(engine if where == "engine" else engine.optimizer, attr)
     with pytest.raises(patches.DeepSpeedAPIMoved, match=rf"lacks \[.*'{where}\.{attr}'"):
+        patches.guard(engine)
+
+
+@pytest.mark.parametrize("attr", ["fp16_groups", "fp32_groups", "_global_grad_norm", "low_precision_dtype"])
+def test_the_guard_names_a_missing_attribute_of_the_bf16_stage_0_wrapper(attr):
+    """bf16 at stage 0: what the flat master step reads on DeepSpeed's FP16_UnfusedOptimizer."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    from nshard.seam import patches
+
+    engine = _complete_engine(0)
+    wrapper = FP16_UnfusedOptimizer.__new__(FP16_UnfusedOptimizer)  # its methods, and the attributes set below
+    wrapper.optimizer = types.SimpleNamespace(param_groups=[])  # what its param_groups property reads
+    for a in patches.OPTIMIZER_API + patches.PRIVATE_UNFUSED_ATTRS:
+        if not hasattr(wrapper, a) and a != attr:
+            setattr(wrapper, a, None)
+    engine.optimizer = wrapper
+    with pytest.raises(patches.DeepSpeedAPIMoved, match=rf"lacks \[.*'optimizer\.{attr}'"):
         patches.guard(engine)
 
 

@@ -381,14 +381,16 @@ def test_powersgd_updates_spend_time_in_the_reducer_and_collectives_and_one_dens
             assert compressed["updates"] == 2 and set(compressed["median_phase_s"]) == set(ALL)
             assert compressed["largest_phase"] in ALL
     for r in receipts(phase_runs["ds-one"]):
+        # One rank: DeepSpeed's reduction epilogue is replaced by the zero gradients it gives unused parameters (no
+        # bucket, no all-reduce: gradient-path.md#one-rank), still timed as the reducer's compute.
+        assert r["reduction_ran"]["one_rank"] == "skipped"
         for update_s, phases in zip(r["update_s"], r["update_phases"]):
-            # One rank: DeepSpeed's all-reduce is a copy at most; its bucketing around it is the reducer's compute.
-            # Bounded against the same update's forward and backward, not in seconds: on a loaded machine the
-            # scheduler stretched the copy to 4.6 ms and 10.4 ms of tiny updates in two suite runs; a backward
-            # counted as waiting (the attribution this guards) would put the wait above the compute.
+            # Bounded against the same update's forward and backward, not in seconds (a loaded machine's scheduler
+            # stretches milliseconds); a backward counted as waiting or as the reducer's (the attribution this
+            # guards) would put either above a quarter of it.
             assert phases["collective_wait"] <= 0.25 * phases["forward_backward"], phases
+            assert 0 <= phases["reducer_compute"] <= 0.25 * phases["forward_backward"], phases
             assert phases["parameter_sync"] == 0, phases
-            assert phases["reducer_compute"] > 0, phases
 
 
 def test_the_report_lists_the_phases_in_the_clocks_order():

@@ -296,3 +296,50 @@ def test_bf16_compute_trains_like_fp32_within_a_stated_tolerance(runs_root):
     for key in pf:
         distance = torch.linalg.vector_norm(pb[key].float() - pf[key]) / torch.linalg.vector_norm(pf[key])
         assert distance <= 0.02, (key, distance.item())
+
+
+# A world of one rank reduces nothing, and bf16 at stage 0 steps the fp32 masters from one flat fp32 gradient buffer
+# (nshard/seam/engine.py one_rank_skips, flat_gradients); the paths they replaced bit for bit stay behind these switches.
+OLD_WAY = {"NSHARD_ONE_RANK_REDUCTION": "run", "NSHARD_BF16_STEP": "deepspeed"}
+
+
+def one_rank_config(reducer: str, bf16: bool) -> dict:
+    """The main job's one-rank arm (ds_configs/cpu-dense.json: nshard's dense reducer; its bf16 "auto" pinned so the
+    test runs the same path on every CPU), or DeepSpeed's own reduction (ds_configs/dense.json)."""
+    config = tiny_config(base="cpu-dense" if reducer == "nshard" else "dense", bf16=bf16)
+    config["bf16"] = {"enabled": bf16}
+    return config
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reducer,bf16", [("nshard", False), ("nshard", True), ("deepspeed", False)])
+def test_the_one_rank_control_reduces_nothing_and_keeps_its_parameter_root(runs_root, reducer, bf16):
+    """One rank, the new way (no reduction; in bf16 the flat master step) and the old way (the reduction with itself,
+    DeepSpeed's per-parameter step), launched in the same test run: the same parameter root, in fp32 and bf16."""
+    config = one_rank_config(reducer, bf16)
+    # the bf16 one-rank arm is the run test_bf16_one_and_two_ranks_... launches (the same configuration)
+    name = "cpu-dense-bf16-1r" if (reducer, bf16) == ("nshard", True) else f"one-rank-{reducer}-fp32"
+    new = cached_run(runs_root, name, config, world=1)
+    old = runs_root / f"{name}-old-way"
+    launch(old, config, world=1, env=OLD_WAY)
+    assert root(new) == root(old)
+    (got,), (was,) = receipts(new), receipts(old)
+    assert (got["reduction_ran"]["one_rank"], was["reduction_ran"]["one_rank"]) == ("skipped", "ran")
+    assert (got["optimizer"]["master_step"], was["optimizer"]["master_step"]) == (
+        ("flat", "per parameter") if bf16 else (None, None))
+    if reducer == "nshard":  # nothing handed to a collective: the ledger says so; the old way "sent" every gradient
+        assert {m["reducer_bytes"] for m in metrics(new)} == {0}
+        assert all(m["reducer_bytes"] > 0 for m in metrics(old))
+
+
+@pytest.mark.slow
+def test_two_rank_powersgd_in_bf16_steps_flat_with_the_bits_of_deepspeeds_step(runs_root):
+    """A two-rank arm takes the flat step too: PowerSGD at stage 0 in bf16, against DeepSpeed's per-parameter step."""
+    config = tiny_config(stage=0, nshard=psgd(), bf16=True)
+    new = cached_run(runs_root, "psgd-z0-bf16", config)
+    old = runs_root / "psgd-z0-bf16-old-way"
+    launch(old, config, env=OLD_WAY)
+    assert root(new) == root(old) and any(m["compressed"] for m in metrics(new))
+    assert {r["optimizer"]["master_step"] for r in receipts(new)} == {"flat"}
+    assert {r["optimizer"]["master_step"] for r in receipts(old)} == {"per parameter"}
+    assert {r["reduction_ran"]["one_rank"] for r in receipts(new)} == {None}

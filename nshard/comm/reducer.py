@@ -83,10 +83,11 @@ class Reducer(Protocol):
 
 
 def build_reducer(config: ReducerConfig | Mapping[str, Any] | None, group: Any = None,
-                  all_reduce: Any = None) -> Reducer:
-    """A reducer for the parsed "nshard" section (a raw mapping is parsed here, before any transport is touched)."""
+                  all_reduce: Any = None, skip_one_rank: bool = False) -> Reducer:
+    """A reducer for the parsed "nshard" section (a raw mapping is parsed here, before any transport is touched).
+    `skip_one_rank`: the dense reducer leaves a world of one rank's gradients as they are (DenseReducer)."""
     parsed = config if isinstance(config, ReducerConfig) else parse_config(config)
     transport = build_transport(parsed.transport, group, all_reduce)
     if parsed.reducer == "dense":
-        return DenseReducer(transport)
+        return DenseReducer(transport, skip_one_rank)
     return PowerSGDReducer(parsed, transport)

@@ -341,7 +341,9 @@ def reduction_ran(seam, receipt: Receipt) -> dict:
     started = {} if seam.name == "deepspeed" else {"overlap_backward": None if overlap is None else {
         "buckets": len(overlap.buckets), "updates": overlap.updates,
         "started_in_backward": overlap.started_in_backward}}
-    return {"configured": seam.name, "nshard_reducer_calls": len(records), **started,
+    # A world of one rank: "skipped" where nothing was reduced (nshard/seam/engine.py one_rank_skips), else "ran".
+    one_rank = None if receipt.world_size > 1 else "skipped" if seam.one_rank_skip else "ran"
+    return {"configured": seam.name, "one_rank": one_rank, "nshard_reducer_calls": len(records), **started,
             "nshard_compressed_calls": sum(1 for r in records if r["compressed"]),
             "deepspeed_grad_bytes": receipt.deepspeed_grad_bytes, "deepspeed_comms_logged": patches.comms_logged()}
 

@@ -57,7 +57,8 @@ def adamw_chunk() -> int:
 def optimizer_record(engine, config: dict) -> dict:
     """For the receipt: the torch optimizer DeepSpeed steps, its wrapper, and the implementation that steps AdamW."""
     return {**patches.optimizer_classes(engine),
-            "implementation": optimizer_implementation(config, torch.cuda.is_available(), adamw_chunk())}
+            "implementation": optimizer_implementation(config, torch.cuda.is_available(), adamw_chunk()),
+            "master_step": patches.master_step(engine)}
 
 
 def build_engine(model: torch.nn.Module, config: dict):
@@ -251,8 +252,11 @@ def install_reducer(engine, config: ReducerConfig | None):
     from nshard.seam.ingest import IngestSeam, ZeroPartitionWriter
     from nshard.seam.reduction import DeepSpeedReduction, InPlaceSeam
 
+    # A world of one rank reduces nothing (NSHARD_ONE_RANK_REDUCTION=run: the reference path, which flattens,
+    # all-reduces with itself, divides by 1 and copies back, changing no bit).
+    one_rank = one_rank_skips()
     if config is None:
-        return DeepSpeedReduction()
+        return DeepSpeedReduction(one_rank_skip=one_rank and patches.skip_one_rank_reduction(engine))
     check_device(config, torch.device(engine.device).type)  # before any collective or hook
     import functools
 
@@ -263,7 +267,9 @@ def install_reducer(engine, config: ReducerConfig | None):
     # Through deepspeed.comm under its own log name, so DeepSpeed's comms logger counts the
     # reducer's traffic apart from DeepSpeed's own gradient collectives.
     all_reduce = functools.partial(ds_comm.all_reduce, log_name=patches.REDUCER_LOG_NAME)
-    reducer = build_reducer(config, all_reduce=all_reduce)
+    reducer = build_reducer(config, all_reduce=all_reduce, skip_one_rank=one_rank)
+    one_rank_skip = one_rank and config.reducer == "dense"  # PowerSGD compresses on one rank too
+    overlap = config.overlap_backward and not one_rank  # nothing to start during backward on one rank
     patches.silence_deepspeed_reduction(engine)
     if config.parameter_sync == "delta":
         from nshard.comm.delta import DeltaCodec
@@ -279,8 +285,34 @@ def install_reducer(engine, config: ReducerConfig | None):
         return IngestSeam(engine, reducer, config.reducer, partition_writer=writer,
                           sum_every_microbatch_into_error=
                           config.reducer == "powersgd" and config.microbatch_sums == "error",
-                          overlap=config.overlap_backward)
-    return InPlaceSeam(engine, reducer, config.reducer, overlap=config.overlap_backward)
+                          overlap=overlap, flat=flat_gradients(engine), one_rank_skip=one_rank_skip)
+    return InPlaceSeam(engine, reducer, config.reducer, overlap=overlap, one_rank_skip=one_rank_skip)
+
+
+def one_rank_skips() -> bool:
+    """Whether this process is a world of one rank that skips the gradient reduction (NSHARD_ONE_RANK_REDUCTION)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() == 1 and reference_switch("NSHARD_ONE_RANK_REDUCTION", ("skip", "run")) == "skip"
+
+
+def flat_gradients(engine):
+    """bf16 at stage 0: one flat fp32 buffer of gradients that the ingest seam sums into and DeepSpeed's fp32 masters
+    step from (patches.install_flat_master_step); None at ZeRO-1/2, under another optimizer wrapper, or with
+    NSHARD_BF16_STEP=deepspeed (the reference path: HandOver into DeepSpeed's per-parameter step)."""
+    from nshard.seam.ingest import FlatGradients
+
+    if zero_stage(engine) != 0 or reference_switch("NSHARD_BF16_STEP", ("flat", "deepspeed")) != "flat":
+        return None
+    order = patches.flat_master_order(engine)
+    if order is None:
+        return None
+    names = {id(p): n for n, p in engine.module.named_parameters() if p.requires_grad}
+    if len(order) != len(names) or any(id(p) not in names for p in order):
+        return None  # the wrapper steps another set of parameters than the seam sums: keep DeepSpeed's own step
+    flat = FlatGradients({names[id(p)]: p for p in order})
+    patches.install_flat_master_step(engine, {id(p): flat.views[names[id(p)]] for p in order}, flat.flat)
+    return flat
 
 
 # ---- elastic resume (nshard/run/elastic.py): DeepSpeed's universal checkpoint and full optimizer state ----

@@ -28,9 +28,12 @@ class IngestSeam(ReducerSeam):
     zero, so one parameter's gradient exists at a time, not all of them (issue 9 item 2). The
     reducer averages the sums and hands them to DeepSpeed: under ZeRO-1/2 `partition_writer`
     (ZeroPartitionWriter, below) copies each parameter's owned slice into ZeRO's gradient
-    partition; bf16 at stage 0 takes a backward through HandOver nodes, whose gradient is exactly the
-    reduced sum, into DeepSpeed's hooks and its FP16_UnfusedOptimizer (bf16 mode), with DeepSpeed's backward
-    all-reduce switched off (patches.silence_deepspeed_reduction).
+    partition; bf16 at stage 0 (`flat`, a FlatGradients) sums straight into the fp32 gradients that
+    DeepSpeed's FP16_UnfusedOptimizer (bf16 mode) steps its fp32 masters from, one flat buffer, rounded there to
+    the bf16 values that optimizer would have received (patches.install_flat_master_step). With
+    NSHARD_BF16_STEP=deepspeed (the reference path it replaced bit for bit) the sums go instead through a backward
+    of HandOver nodes, whose gradient is exactly the reduced sum, into DeepSpeed's hooks and its own
+    per-parameter step. DeepSpeed's backward all-reduce is switched off (patches.silence_deepspeed_reduction).
     engine.step() updates. DeepSpeed runs with gradient_accumulation_steps=1: it sees one
     micro-step per update.
 
@@ -50,8 +53,8 @@ class IngestSeam(ReducerSeam):
     """
 
     def __init__(self, engine, reducer, name: str, partition_writer=None, sum_every_microbatch_into_error: bool = False,
-                 overlap: bool = False):
-        super().__init__(engine, reducer, name)
+                 overlap: bool = False, flat: "FlatGradients | None" = None, one_rank_skip: bool = False):
+        super().__init__(engine, reducer, name, one_rank_skip)
         # nshard.overlap_backward: the sums are reduced bucket by bucket during the last backward
         # (nshard/comm/overlap.py); they are always fp32 sums then, 0 + g being g exactly, so the bits are those
         # of the error-memory path too.
@@ -63,7 +66,9 @@ class IngestSeam(ReducerSeam):
                                "(complete_ds_config sets it); got "
                                f"{engine.gradient_accumulation_steps()}")
         self.device = next(iter(self.params.values())).device
-        self.accumulated: dict[str, torch.Tensor] = {}  # fp32 sums, made when first needed
+        self.flat = flat
+        # fp32 sums, made when first needed; with `flat`, its views, which the optimizer steps from
+        self.accumulated: dict[str, torch.Tensor] = dict(flat.views) if flat is not None else {}
         self.into_error: dict[str, torch.Tensor] = {}  # this update's matrices summed into the error memory
         self.first = True  # the next microbatch starts an update
         self.sums = "fp32 sums"
@@ -79,6 +84,10 @@ class IngestSeam(ReducerSeam):
         if name not in self.accumulated:
             self.accumulated[name] = torch.zeros(self.params[name].shape, dtype=torch.float32, device=self.device)
         return self.accumulated[name]
+
+    def microbatch_sums(self) -> dict[str, torch.Tensor]:
+        """Every parameter's fp32 sum as the next update fills it (launch/bench_bf16_step.py fills them itself)."""
+        return {n: self._sum(n) for n in self.params}
 
     def backward_and_step(self, engine, loss, last: bool) -> None:
         if self.first:  # `last` on the first microbatch: the update has exactly one
@@ -100,11 +109,14 @@ class IngestSeam(ReducerSeam):
         finally:
             for handle in handles:
                 handle.remove()
-        if not last:
-            return
+        if last:
+            self.finish_update(engine)
+
+    def finish_update(self, engine) -> None:
+        """After the update's last backward: reduce the sums, hand them to DeepSpeed, step, zero the sums."""
         update = None
-        if overlap is not None:
-            overlap.end()  # the sums, reduced in place
+        if self.overlap is not None:
+            self.overlap.end()  # the sums, reduced in place
             sources = {n: self._sum(n) for n in self.params}
         elif self.into_error:
             update = self.reducer.reduce_summed({n: self._sum(n) for n in self.params if n not in self.into_error})
@@ -113,6 +125,18 @@ class IngestSeam(ReducerSeam):
         else:
             sources = {n: self._sum(n) for n in self.params}
             self.reducer.reduce(sources)
+        if self.flat is not None:
+            # bf16 at stage 0: the sums are the masters' fp32 gradients. Rounding them to the bf16 values the optimizer
+            # takes and zeroing them after its step are the optimizer's gradient handling (DeepSpeed's own step made
+            # its fp32 copies and dropped them), not reduction work: optimizer_step, with no reducer as with one
+            # (a summed update's outputs, computed as they are written, stay reducer_compute).
+            with phase("optimizer_step"):
+                self.flat.deliver(sources, {n: p.dtype for n, p in self.params.items()})
+                if update is not None:
+                    update.finish()
+                engine.step()
+                self.flat.zero_()
+            return
         with phase("reducer_compute"):  # the hand-over (a summed update's outputs computed as they are taken)
             if self.partition_writer is not None:  # ZeRO-1/2: straight into the owned partition
                 writer = self.partition_writer
@@ -120,7 +144,7 @@ class IngestSeam(ReducerSeam):
                 for n, p in self.params.items():
                     writer.write(p, sources[n]() if callable(sources[n]) else sources[n])
                 writer.finish()
-            else:  # bf16 at stage 0: through DeepSpeed's own gradient hooks
+            else:  # bf16 at stage 0, NSHARD_BF16_STEP=deepspeed: through DeepSpeed's own gradient hooks
                 surrogate = sum(HandOver.apply(p, sources[n]) for n, p in self.params.items())
                 engine.backward(surrogate, scale_wrt_gas=False)
             if update is not None:
@@ -142,6 +166,44 @@ def _adder(acc: torch.Tensor, final=None):
             final()
         return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
     return hook
+
+
+class FlatGradients:
+    """One flat fp32 buffer holding a gradient per parameter (`views`, by name, in the order given), each view starting
+    on a 64-byte boundary: the ingest seam's sums at bf16 stage 0, and the gradients DeepSpeed's fp32 masters step
+    from (patches.install_flat_master_step), so the reduced sum is written once per update and nothing is copied
+    into a gradient of its own."""
+
+    ALIGN = 16  # fp32 elements: 64 bytes, a cache line and the widest vector
+
+    def __init__(self, params: dict[str, torch.Tensor]):
+        offsets, total = {}, 0
+        for name, p in params.items():
+            offsets[name] = total
+            total += -(-p.numel() // self.ALIGN) * self.ALIGN
+        device = next(iter(params.values())).device
+        self.flat = torch.zeros(total, dtype=torch.float32, device=device)
+        self.views = {name: self.flat.narrow(0, offsets[name], p.numel()).view(p.shape) for name, p in params.items()}
+
+    def deliver(self, sources: dict, dtypes: dict[str, torch.dtype]) -> None:
+        """Each view := its source (a tensor, the view itself, or a callable that computes it) rounded to the dtype
+        its parameter receives gradients in, as a gradient handed to DeepSpeed in that dtype was."""
+        for name, view in self.views.items():
+            source = sources[name]() if callable(sources[name]) else sources[name]
+            if source is view:
+                if dtypes[name] == torch.float32:
+                    continue
+                for piece in view.view(-1).split(ROUND_PIECE):  # in place, a cache-sized piece at a time
+                    piece.copy_(piece.to(dtypes[name]))
+            else:
+                view.copy_(source.to(dtypes[name]))
+
+    def zero_(self) -> None:
+        self.flat.zero_()
+
+
+ROUND_PIECE = 1 << 16
+"""Elements rounded at a time (FlatGradients.deliver): the bf16 copy of a piece stays in cache."""
 
 
 class HandOver(torch.autograd.Function):

@@ -49,9 +49,12 @@ PRIVATE_ZERO_PARTITION_ATTRS = ("params_in_partition", "partition_size", "real_d
                                 "grad_start_offset", "grad_partition_insertion_offset", "averaged_gradients",
                                 "_build_compact_grad_partition_buffer")
 # Module-wide symbols: the all-gather that ends a partitioned step (replaced on gloo), the comms logger's dict.
-PRIVATE_MODULE_SYMBOLS = {"deepspeed.runtime.utils": ("all_gather_dp_groups",),
+PRIVATE_MODULE_SYMBOLS = {"deepspeed.runtime.utils": ("all_gather_dp_groups", "get_weight_norm", "get_global_norm",
+                                                     "is_invalid_grad_norm"),
                           "deepspeed.runtime.zero.stage_1_and_2": ("all_gather_dp_groups",),
                           "deepspeed.runtime.bf16_optimizer": ("all_gather_dp_groups",),
+                          "deepspeed.runtime.fp16.unfused_optimizer": ("FP16_UnfusedOptimizer",),
+                          "deepspeed.moe.utils": ("is_moe_param",),
                           "deepspeed.comm": ("comms_logger", "isend", "all_reduce")}
 PRIVATE_COMMS_LOGGER_ATTRS = ("enabled", "prof_all", "comms_dict")
 # What optimizer_memory descends through: DeepSpeed's wrappers keep the torch optimizer at `.optimizer`.
@@ -60,8 +63,17 @@ PRIVATE_WRAPPER_ATTRS = ("optimizer",)
 # which ZeRO copies the master into this rank's replica, and the parameters of each group.
 PRIVATE_DELTA_ZERO_ATTRS = ("single_partition_of_fp32_groups", "parallel_partitioned_bit16_groups", "_optimizer_step",
                             "bit16_groups")
+# bf16 at stage 0 (FP16_UnfusedOptimizer in bf16 mode): its groups of bf16 parameters and fp32 masters, and the
+# pieces of its step that the flat step calls instead of its per-parameter walk (install_flat_master_step).
+PRIVATE_UNFUSED_ATTRS = ("fp16_groups", "fp32_groups", "low_precision_dtype", "fused_lamb_legacy", "mpu", "overflow",
+                         "_global_grad_norm", "_update_scale", "_skip_invalid_grad_norm", "unscale_and_clip_grads",
+                         "step")
+# DeepSpeed's own stage-0 reduction at world size 1, which skip_one_rank_reduction replaces when it is the identity.
+PRIVATE_ONE_RANK_ATTRS = ("gradient_average", "communication_data_type", "has_moe_layers", "pipeline_parallelism",
+                          "sequence_parallel_size", "gradient_predivide_factor", "zero_optimization_partition_gradients")
 LISTED_ATTRS = frozenset(ENGINE_API + OPTIMIZER_API + PRIVATE_ENGINE_ATTRS + PRIVATE_ZERO_ATTRS
-                         + PRIVATE_ZERO_PARTITION_ATTRS + PRIVATE_WRAPPER_ATTRS + PRIVATE_DELTA_ZERO_ATTRS)
+                         + PRIVATE_ZERO_PARTITION_ATTRS + PRIVATE_WRAPPER_ATTRS + PRIVATE_DELTA_ZERO_ATTRS
+                         + PRIVATE_UNFUSED_ATTRS + PRIVATE_ONE_RANK_ATTRS)
 
 
 class DeepSpeedAPIMoved(RuntimeError):
@@ -86,11 +98,14 @@ def guard(engine) -> None:
 
     logger = getattr(ds_comm, "comms_logger", None)
     missing += [f"deepspeed.comm.comms_logger.{a}" for a in PRIVATE_COMMS_LOGGER_ATTRS if not hasattr(logger, a)]
-    missing += [f"engine.{a}" for a in ENGINE_API + PRIVATE_ENGINE_ATTRS if not hasattr(engine, a)]
+    missing += [f"engine.{a}" for a in ENGINE_API + PRIVATE_ENGINE_ATTRS + PRIVATE_ONE_RANK_ATTRS
+                if not hasattr(engine, a)]
     missing += [f"optimizer.{a}" for a in OPTIMIZER_API if not hasattr(engine.optimizer, a)]
     if engine.zero_optimization_stage() in (1, 2):
         missing += [f"optimizer.{a}" for a in PRIVATE_ZERO_ATTRS + PRIVATE_ZERO_PARTITION_ATTRS
                     if not hasattr(engine.optimizer, a)]
+    if _unfused(engine.optimizer):
+        missing += [f"optimizer.{a}" for a in PRIVATE_UNFUSED_ATTRS if not hasattr(engine.optimizer, a)]
     lowest, beyond = VERIFIED_VERSIONS
     if missing:
         raise DeepSpeedAPIMoved(f"deepspeed {deepspeed.__version__} lacks {missing}, which nshard's reducer seam "
@@ -180,6 +195,114 @@ def _zero_grads_in_place(module: torch.nn.Module) -> None:
     for p in module.parameters():
         if p.grad is not None:
             p.grad.zero_()
+
+
+def skip_one_rank_reduction(engine) -> bool:
+    """DeepSpeed's own stage-0 reduction on a world of one rank: its epilogue (engine.allreduce_gradients) flattens
+    every gradient, all-reduces it with itself, divides it by 1 and copies it back, which leaves every value as it
+    was. Where that holds exactly, it is replaced by the one thing it does that matters: a parameter without a
+    gradient gets a zero one (DeepSpeed's _get_gradients_for_reduction), so AdamW steps the same parameters.
+    Exactly: averaging (gradient_average) with predivide factor 1, a communication dtype that holds the gradients'
+    (fp32, or theirs), no MoE, pipeline or sequence parallelism; an update with a sparse gradient runs DeepSpeed's
+    own. Returns whether it was replaced (elsewhere DeepSpeed's own runs, as with more ranks)."""
+    import torch.distributed as dist
+
+    if (dist.get_world_size() != 1 or engine.zero_optimization_stage() != 0 or not engine.gradient_average
+            or engine.gradient_predivide_factor() != 1.0 or engine.has_moe_layers or engine.pipeline_parallelism
+            or engine.sequence_parallel_size != 1 or engine.zero_optimization_partition_gradients()):
+        return False
+    dtypes = {p.dtype for p in engine.module.parameters() if p.requires_grad}
+    if engine.communication_data_type not in (torch.float32, *dtypes) or len(dtypes) != 1:
+        return False
+    original = engine.allreduce_gradients
+
+    def zero_missing_gradients(*args, **kwargs):
+        params = [p for p in engine.module.parameters() if p.requires_grad and p.numel()]
+        if any(p.grad is not None and p.grad.is_sparse for p in params):
+            return original(*args, **kwargs)
+        if not engine.is_gradient_accumulation_boundary():  # DeepSpeed's own touches nothing before the boundary
+            return
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros(p.size(), dtype=p.dtype, device=p.device)
+
+    engine.allreduce_gradients = zero_missing_gradients
+    return True
+
+
+def _unfused(optimizer) -> bool:
+    """Whether `optimizer` is DeepSpeed's FP16_UnfusedOptimizer (False where the class moved: the guard names it)."""
+    wrapper = getattr(importlib.import_module("deepspeed.runtime.fp16.unfused_optimizer"), "FP16_UnfusedOptimizer", None)
+    return wrapper is not None and isinstance(optimizer, wrapper)
+
+
+def flat_master_order(engine) -> list[torch.Tensor] | None:
+    """The module parameters in the order DeepSpeed's FP16_UnfusedOptimizer in bf16 mode steps their fp32 masters
+    (bf16 at stage 0 with torch's AdamW), for install_flat_master_step; None where another wrapper steps them, or
+    where its per-parameter step does more than the flat step reproduces (MoE parameters, whose norm it leaves out;
+    its legacy fused LAMB)."""
+    from deepspeed.moe.utils import is_moe_param
+
+    wrapper = engine.optimizer
+    if not _unfused(wrapper) or wrapper.low_precision_dtype != torch.bfloat16 or wrapper.fused_lamb_legacy:
+        return None
+    params = [p for group in wrapper.fp16_groups for p in group]
+    return None if any(is_moe_param(p) for p in params) else params
+
+
+def install_flat_master_step(engine, grads: dict[int, torch.Tensor], flat: torch.Tensor) -> None:
+    """bf16 at stage 0: DeepSpeed's FP16_UnfusedOptimizer steps its fp32 masters from fp32 gradients that nshard's
+    ingest seam writes once per update into one flat buffer (`flat`; `grads`: id(module parameter) -> its fp32 view,
+    already rounded to bf16 values, as the bf16 .grad it stood for), instead of walking the parameters one by one:
+    no bf16 .grad, no fp32 copy of it made per update, no overflow pass.
+
+    Each master's .grad is its view, for good. The step is DeepSpeed's arithmetic on the same values: its
+    get_weight_norm of each group's gradients (fp32, so its .float() copies nothing) and get_global_norm (a
+    non-finite gradient makes the norm invalid, which its overflow check would have caught first: the step is
+    skipped alike), its clip factor (unscale_and_clip_grads with apply_scale=False), applied to the flat buffer in
+    one multiply (skipped when the factor is 1: x * 1 is x), torch's AdamW over the masters as before, then one
+    copy of the masters into the bf16 parameters. Every rank holds the same reduced gradients, so the overflow
+    flag DeepSpeed all-reduced is the same everywhere and is not sent. The masters, moments and bf16 weights come
+    out bit for bit as from DeepSpeed's own step (tests/test_bf16_step.py)."""
+    from deepspeed.runtime.utils import get_global_norm, get_weight_norm, is_invalid_grad_norm
+
+    wrapper = engine.optimizer
+    masters = [m for group in wrapper.fp32_groups for m in group]
+    params = [p for group in wrapper.fp16_groups for p in group]
+    group_views = [[grads[id(p)] for p in group] for group in wrapper.fp16_groups]
+
+    def attach() -> None:
+        for p, master in zip(params, masters):
+            master.grad = grads[id(p)]
+
+    def flat_step(closure=None):
+        norms = [get_weight_norm(views, mpu=wrapper.mpu) if views else 0.0 for views in group_views]
+        wrapper._global_grad_norm = get_global_norm(norm_list=norms)
+        if is_invalid_grad_norm(wrapper._global_grad_norm):
+            overflow = wrapper._skip_invalid_grad_norm()  # drops the masters' gradients: give them back
+            attach()
+            return overflow
+        wrapper.overflow = False
+        wrapper._update_scale(False)
+        combined_scale = wrapper.unscale_and_clip_grads(wrapper._global_grad_norm, apply_scale=False)
+        if combined_scale != 1.0:
+            flat.mul_(1.0 / combined_scale)
+        wrapper.optimizer.step()
+        with torch.no_grad():
+            torch._foreach_copy_(params, masters)
+        return False
+
+    attach()
+    flat_step.nshard_flat = True
+    wrapper.step = flat_step
+
+
+def master_step(engine) -> str | None:
+    """For the receipt: how DeepSpeed's bf16 wrapper at stage 0 steps its fp32 masters: "flat" (nshard's one flat
+    fp32 gradient buffer, install_flat_master_step) or "per parameter" (its own step); None under other wrappers."""
+    if not _unfused(engine.optimizer):
+        return None
+    return "flat" if getattr(engine.optimizer.step, "nshard_flat", False) else "per parameter"
 
 
 GATHER_CALLS = {"ring": {"calls": 0, "bytes_sent": 0}, "deepspeed": {"calls": 0, "bytes_sent": 0},

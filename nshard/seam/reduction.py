@@ -24,6 +24,8 @@ class Seam(Protocol):
     """The reduction, for receipts: "deepspeed", or the nshard reducer's name."""
     sums: str
     """Where the last update's microbatch gradients were summed (metrics.jsonl's microbatch_sums)."""
+    one_rank_skip: bool
+    """A world of one rank whose reduction is skipped (the receipts' reduction_ran.one_rank)."""
 
     def forward(self, engine, **inputs) -> Any:
         """One microbatch's forward (the engine, or its module where DeepSpeed's hooks must not fire)."""
@@ -50,10 +52,15 @@ class Seam(Protocol):
 
 
 class DeepSpeedReduction:
-    """DeepSpeed's own gradient all-reduce; its bytes come from DeepSpeed's comms logger."""
+    """DeepSpeed's own gradient all-reduce; its bytes come from DeepSpeed's comms logger. On one rank at stage 0 its
+    epilogue, the identity there, is replaced by what it does that matters (`one_rank_skip`:
+    patches.skip_one_rank_reduction)."""
 
     name = "deepspeed"
     sums = "deepspeed"  # where an update's microbatch gradients are summed
+
+    def __init__(self, one_rank_skip: bool = False):
+        self.one_rank_skip = one_rank_skip
 
     def forward(self, engine, **inputs):
         return engine(**inputs)
@@ -81,10 +88,12 @@ class DeepSpeedReduction:
 
 
 class ReducerSeam:
-    """Shared by the nshard seams: the reducer, the trained parameters, the ledger's last record."""
+    """Shared by the nshard seams: the reducer, the trained parameters, the ledger's last record. `one_rank_skip`:
+    a world of one rank, where the reducer averages nothing (the dense average of one gradient is itself, and its
+    reducer was built to skip it) and no reduction starts during backward."""
 
-    def __init__(self, engine, reducer: Reducer, name: str):
-        self.reducer, self.name = reducer, name
+    def __init__(self, engine, reducer: Reducer, name: str, one_rank_skip: bool = False):
+        self.reducer, self.name, self.one_rank_skip = reducer, name, one_rank_skip
         self.params = {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
         reducer.register({n: tuple(p.shape) for n, p in self.params.items()})
         # What the optimizer receives: the parameter's dtype (bf16 under bf16, though reduced in fp32).
@@ -116,8 +125,8 @@ class InPlaceSeam(ReducerSeam):
 
     sums = ".grad"
 
-    def __init__(self, engine, reducer: Reducer, name: str, overlap: bool = False):
-        super().__init__(engine, reducer, name)
+    def __init__(self, engine, reducer: Reducer, name: str, overlap: bool = False, one_rank_skip: bool = False):
+        super().__init__(engine, reducer, name, one_rank_skip)
         self.overlap = BackwardOverlap(reducer, self.params) if overlap else None
 
     def forward(self, engine, **inputs):
