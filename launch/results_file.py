@@ -36,7 +36,8 @@ from pathlib import Path
 
 from nshard.cli import SPELLING_NOTE, ArgumentParser, prog
 from nshard.evidence import archive
-from nshard.files import staged_dir
+from nshard.files import staged_dir, write_text_atomic
+from nshard.log import log
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni", "avx_vnni")
 """The CPU flags that decide which kernels torch takes (fp32 AVX2, AVX-512, bf16 on AVX512-BF16 or AMX)."""
@@ -258,11 +259,9 @@ def main(argv=None) -> int:
             for name, data in files.items():
                 (tmp / name).parent.mkdir(parents=True, exist_ok=True)
                 (tmp / name).write_bytes(data)
-        staged = path.with_suffix(".md.tmp")
-        staged.write_text(text)
-        staged.replace(path)
+        write_text_atomic(path, text)
     except (ResultsError, OSError) as exc:
-        print(f"nshard: error: {exc}", file=sys.stderr)
+        log.error("%s", exc)
         return 2
     print(path)
     return 0
@@ -270,7 +269,7 @@ def main(argv=None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog=prog("launch.results_file"), description=__doc__,
-                            epilog="Writes one file in --out and prints its path. " + SPELLING_NOTE)
+                            epilog="Writes one file and its audit folder in --out and prints the file's path. " + SPELLING_NOTE)
     parser.add_argument("--run", type=Path, required=True, help="the study directory (holds report.md and plan.toml)")
     parser.add_argument("--checkout", type=Path, default=Path("."), help="the checkout that ran it (default: here)")
     parser.add_argument("--command", action="append", required=True, help="a command as typed (repeat, in order)")

@@ -42,7 +42,7 @@ def test_without_a_compiler_setup_stops_before_any_work_naming_the_package(tmp_p
     """A copy of the checkout's set-up files (no .venv there yet): the check runs first, says g++ is missing and what
     installs it, and stops with nothing created."""
     clone = tmp_path / "clone"
-    for rel in ("launch/setup.sh", "pyproject.toml", "nshard/__init__.py", "nshard/cgroups.py"):
+    for rel in ("launch/setup.sh", "pyproject.toml", "constraints.txt", "nshard/__init__.py", "nshard/cgroups.py"):
         (clone / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(REPO / rel, clone / rel)
     proc = setup_sh(env={"PATH": path_without(tmp_path, "g++"), "PYTHON": sys.executable}, setup=clone / "launch/setup.sh")
