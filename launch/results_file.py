@@ -161,40 +161,7 @@ def _decimals(printed: str) -> int:
 def figure_mismatches(report: str, results: dict) -> list[str]:
     """The report's headline figures against results.json: every screen condition (PASS/FAIL/NOT COMPARABLE, its
     value), the paired comparisons, the correct counts and retention rows, the speedups and the parameter roots."""
-    problems = []
-    conditions = [c for screen in results.get("screens", {}).values() if isinstance(screen, dict)
-                  for c in screen.get("conditions", [])]
-    unmatched = list(conditions)
-    lines = re.findall(r"^- (PASS|FAIL|NOT COMPARABLE): (.+) = (\S+) \(needs (.+)\)$", report, re.M)
-    if not lines:
-        problems.append("the report prints no screen condition")
-    for verdict, name, shown, rule in lines:
-        passed = {"PASS": True, "FAIL": False, "NOT COMPARABLE": None}[verdict]
-        hit = next((c for c in unmatched if c["name"] == name and c["passed"] is passed and c.get("rule") == rule and (
-            _near(shown, c["value"], _decimals(shown)) if isinstance(c["value"], float) else str(c["value"]) == shown)), None)
-        if hit is None:
-            problems.append(f"screen line '{verdict}: {name} = {shown}' is not in results.json")
-        else:
-            unmatched.remove(hit)
-    problems += [f"results.json's condition '{c['name']}' is not in the report" for c in unmatched]
-    for cand, ctrl, n, disc, diff, low, up in re.findall(
-            r"^\| (\S+) − (\S+) \| (\d+) \| (\d+) \| (\S+) \| \[(\S+), (\S+)\] \|$", report, re.M):
-        c = next((c for c in results.get("comparisons", []) if (c["candidate"], c["control"]) == (cand, ctrl)), None)
-        if c is None or (c["n"], c["discordant"]) != (int(n), int(disc)) or not all(
-                _near(v, c[k], 2) for v, k in ((diff, "difference_points"), (low, "lower_points"), (up, "upper_points"))):
-            problems.append(f"paired comparison {cand} − {ctrl} differs from results.json's")
-    models = [results.get("seed", {}), *results.get("arms", [])]
-    rows = {"Correct": [m.get("correct") for m in models],
-            "Mean retention-loss change": [None] + [(a.get("retention") or {}).get("mean_change_nats")
-                                                    for a in results.get("arms", [])],
-            "Approximate": [None] + [(a.get("retention") or {}).get("upper_nats") for a in results.get("arms", [])]}
-    for label, values in rows.items():
-        row = re.search(rf"^\| {label}[^|]*\|(.*)\|$", report, re.M)
-        cells = [c.strip() for c in row.group(1).split("|")] if row else []
-        if len(cells) != len(values) or not all(
-                (v is None and c in ("—", "failed")) or (v is not None and _near(c, v, _decimals(c)))
-                for c, v in zip(cells, values)):
-            problems.append(f"the report's row '{label} ...' differs from results.json's")
+    problems = screen_mismatches(report, results) + paired_mismatches(report, results) + row_mismatches(report, results)
     speedups = (results.get("screens", {}).get("speed") or {}).get("speedups", {})
     for name, complete, active, device in re.findall(
             r"^- (\S+): complete-process speedup (\S+)×, active (\S+)×, (\S+)× the baseline's device seconds$",
@@ -203,9 +170,62 @@ def figure_mismatches(report: str, results: dict) -> list[str]:
         if not all(_near(v, sp.get(k), 3) for v, k in ((complete, "complete_process"), (active, "active"),
                                                        (device, "device_seconds_ratio"))):
             problems.append(f"the speedups of {name} differ from results.json's")
-    roots = dict(re.findall(r"^- (\S+): parameter root `([0-9a-f]+|[^`]+)`$", report, re.M))
-    problems += [f"{a['name']}'s parameter root differs from results.json's" for a in results.get("arms", [])
-                 if a.get("status") == "complete" and roots.get(a["name"]) != a.get("parameter_root")]
+    roots = dict(re.findall(r"^- (\S+): parameter root `([^`]+)`$", report, re.M))
+    return problems + [f"{a['name']}'s parameter root differs from results.json's" for a in results.get("arms", [])
+                       if a.get("status") == "complete" and roots.get(a["name"]) != a.get("parameter_root")]
+
+
+def screen_mismatches(report: str, results: dict) -> list[str]:
+    """Each printed screen line matched to one condition of results.json (name, verdict, rule, value), and back."""
+    unmatched = [c for screen in results.get("screens", {}).values() if isinstance(screen, dict)
+                 for c in screen.get("conditions", [])]
+    lines = re.findall(r"^- (PASS|FAIL|NOT COMPARABLE): (.+) = (\S+) \(needs (.+)\)$", report, re.M)
+    problems = [] if lines else ["the report prints no screen condition"]
+    for verdict, name, shown, rule in lines:
+        passed = {"PASS": True, "FAIL": False, "NOT COMPARABLE": None}[verdict]
+        hit = next((c for c in unmatched if c["name"] == name and c["passed"] is passed and c.get("rule") == rule and (
+            _near(shown, c["value"], _decimals(shown)) if isinstance(c["value"], float) else str(c["value"]) == shown)),
+                   None)
+        if hit is None:
+            problems.append(f"screen line '{verdict}: {name} = {shown}' is not in results.json")
+        else:
+            unmatched.remove(hit)
+    return problems + [f"results.json's condition '{c['name']}' is not in the report" for c in unmatched]
+
+
+def paired_mismatches(report: str, results: dict) -> list[str]:
+    problems = []
+    for cand, ctrl, n, disc, diff, low, up in re.findall(
+            r"^\| (\S+) − (\S+) \| (\d+) \| (\d+) \| (\S+) \| \[(\S+), (\S+)\] \|$", report, re.M):
+        c = next((c for c in results.get("comparisons", []) if (c["candidate"], c["control"]) == (cand, ctrl)), None)
+        if c is None or (c["n"], c["discordant"]) != (int(n), int(disc)) or not all(
+                _near(v, c[k], 2) for v, k in ((diff, "difference_points"), (low, "lower_points"), (up, "upper_points"))):
+            problems.append(f"paired comparison {cand} − {ctrl} differs from results.json's")
+    return problems
+
+
+def row_mismatches(report: str, results: dict) -> list[str]:
+    """The learning table's correct counts and retention rows (exposed; held out where the arms have it), cell by
+    cell against the seed's and each arm's figures."""
+    arms = results.get("arms", [])
+    exposed = [{}] + [a.get("retention") or {} for a in arms]  # the seed's column: no change of its own
+    held = [{}] + [a.get("retention_heldout") or {} for a in arms]
+    rows = {"correct": (r"Correct / [\d,]+", [m.get("correct") for m in [results.get("seed", {}), *arms]]),
+            "retention mean": (r"Mean retention-loss change, nats", [r.get("mean_change_nats") for r in exposed]),
+            "retention bound": (r"Approximate \d+% upper retention bound", [r.get("upper_nats") for r in exposed])}
+    if any(held):
+        rows.update({"held-out retention mean": (r"Mean held-out retention-loss change \([^)]*\), nats",
+                                                 [h.get("mean_change_nats") for h in held]),
+                     "held-out retention bound": (r"Approximate \d+% upper held-out retention bound",
+                                                  [h.get("upper_nats") for h in held])})
+    problems = []
+    for label, (pattern, values) in rows.items():
+        row = re.search(rf"^\| {pattern} \|(.*)\|$", report, re.M)
+        cells = [c.strip() for c in row.group(1).split("|")] if row else []
+        if len(cells) != len(values) or not all(
+                (v is None and c in ("—", "failed")) or (v is not None and _near(c, v, _decimals(c)))
+                for c, v in zip(cells, values)):
+            problems.append(f"the report's {label} row differs from results.json's")
     return problems
 
 

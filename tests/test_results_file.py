@@ -164,8 +164,7 @@ def test_a_figure_that_does_not_trace_is_named_and_such_a_study_gets_no_results_
     assert results_file.figure_mismatches(report, results) == ["the speedups of powersgd differ from results.json's"]
     results = json.loads(files["results.json"])
     results["arms"][2]["retention"]["upper_nats"] += 1e-5
-    assert results_file.figure_mismatches(report, results) == [
-        "the report's row 'Approximate ...' differs from results.json's"]
+    assert results_file.figure_mismatches(report, results) == ["the report's retention bound row differs from results.json's"]
     gone = {k: v for k, v in files.items() if k != "arms/dense/receipts/rank-1.json"}
     assert results_file.audit_mismatches(report, gone) == [
         "arms/dense/receipts/rank-1.json: listed in the archive's index but not among the audit files"]
