@@ -29,6 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from nshard.files import write_text_atomic  # noqa: E402 -- the checkout's nshard, found through the line above
 from launch.gpu_judge import (TWIN, TWO, UNSYNCED, WARMUP, Expect, derived, judged, memory_verdict,  # noqa: E402
                               read_roots, read_run, receipt_summary, script_checks, tests_checks, training_checks)
 

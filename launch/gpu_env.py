@@ -154,12 +154,20 @@ def check(with_device: bool, out: Path) -> dict:
     return report
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--no-device", "--no_device", dest="no_device", action="store_true",
-                        help="check everything but the GPU (the dry run)")
+def build_parser() -> argparse.ArgumentParser:
+    sys.path.insert(0, str(REPO))  # run as a script: the checkout's nshard.cli (the standard library only)
+    from nshard.cli import SPELLING_NOTE, ArgumentParser
+
+    parser = ArgumentParser(prog="python launch/gpu_env.py", description=__doc__.split("\n\n")[0],
+                            epilog="Writes nothing: prints the report as one JSON line (exit 1: a problem). "
+                                   + SPELLING_NOTE)
+    parser.add_argument("--no_device", action="store_true", help="check everything but the GPU (the dry run)")
     parser.add_argument("--out", type=Path, default=REPO / "runs", help="where the check writes (free disk)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     report = check(not args.no_device, args.out)
     print(json.dumps(report))
     return 0 if report["ok"] else 1

@@ -4,7 +4,6 @@ whatever torch's global settings say (docs/gpu.md)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 

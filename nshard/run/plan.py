@@ -347,6 +347,9 @@ class CheckpointSection(Section):
     ~20 bytes of memory traffic per parameter, milliseconds at 1.7B)."""
     keep: int = setting(2, POSITIVE)
     """Complete states kept; older ones are removed once a newer one is sealed."""
+    final: bool = setting(True, TRUE_OR_FALSE)
+    """Save a complete state after the last update (the replicas are compared either way). false: the run cannot be
+    resumed from its end, and writes no state of the model's size (a check's runs: launch/gpu_check.py)."""
     deterministic_cuda: bool = False
     """Bit-identical resume on CUDA: deterministic algorithms and a fixed cuBLAS workspace (slower; docs/gpu.md).
     CPU runs are deterministic for one kernel set without it."""
