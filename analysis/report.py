@@ -922,8 +922,9 @@ def render_report(results: dict) -> str:
              f"Prepared identity: `{results['prepared_identity']}`.", ""]
     placement = results.get("placement")
     if placement:
-        where = {"emulated": f"two emulated hosts on one machine, {placement.get('cores_per_host')} core(s) each, "
-                             f"link {placement.get('link')}",
+        pinned = f" pinned by {placement['pin']['by']}" if (placement.get("pin") or {}).get("by") else ""
+        where = {"emulated": f"two emulated hosts on one machine, {placement.get('cores_per_host')} core(s) each"
+                             f"{pinned}, link {placement.get('link')}",
                  "hostfile": f"the hosts of {placement.get('hostfile')}"
                              + (f" ({', '.join(placement['hosts'])})" if placement.get("hosts") else ""),
                  "local": "every rank on this machine"}[placement["kind"]]

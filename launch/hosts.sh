@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Two emulated hosts on this machine, for DeepSpeed's plain multi-node launch (pdsh over ssh).
 #   launch/hosts.sh up [RATE] [CORES]   # RATE as tc writes it (100mbit, 1gbit; "none": no limit, the default).
-#                               # CORES: confine each host to that many cores of its own (a cpuset cgroup that
-#                               # its sshd and everything it starts inherit); default: no confinement.
-#                               # Prints the hostfile.
+#                               # CORES: confine each host to that many cores of its own, which its sshd and
+#                               # everything it starts inherit: a cpuset group of cgroup v2 where the machine
+#                               # has it, else of cgroup v1, else the CPU affinity (nshard/cgroups.py;
+#                               # NSHARD_PLACEMENT_PIN=v2|v1|affinity forces one); default: no confinement.
+#                               # Prints the hostfile; runs/hosts/pin-<i> says how host i was pinned.
 #   launch/hosts.sh rate RATE   # change the limit of a running pair ("none" removes it)
 #   launch/hosts.sh down        # remove everything `up` made, also after a crashed `up`
 # Root only. Each host is a network namespace whose eth0 (198.51.100.1 and .2, documentation range)
@@ -17,8 +19,8 @@ hosts=(1 2)
 net=198.51.100
 bridge=nshard-br
 ns() { echo "nshard-h$1"; }
-cpusets=/sys/fs/cgroup/cpuset
-cpuset() { echo "$cpusets/nshard-h$1"; }  # host i's cores (cgroup v1 cpuset), when `up` was given CORES
+groups=(nshard-h1 nshard-h2)  # host i's cpuset group (v2 or v1), when `up` was given CORES and a cgroup pins them
+cg() { PYTHONPATH="$repo" python3 -m nshard.cgroups "$@"; }
 veth() { echo "nshard-v$1"; }  # the root-namespace end; the namespace's end is eth0
 include="Include $state/ssh_config"
 user_config=$HOME/.ssh/config
@@ -42,28 +44,25 @@ check_rate() {
   [[ $1 =~ ^[0-9]+(\.[0-9]+)?([kmgt]?bit|[kmgt]?bps)$ ]] || die "rate '$1' is not a tc rate: use e.g. 100mbit or 1gbit"
 }
 
-check_cores() {  # check_cores N: N whole cores per host, and this machine (its affinity) has 2N of them
+check_cores() {  # check_cores N: N whole cores per host, this machine (its affinity) has 2N, and a way to pin them
   [[ $1 =~ ^[1-9][0-9]*$ ]] || die "cores per host '$1' is not a whole number of cores (e.g. 1)"
-  [ -d "$cpusets" ] && [ -w "$cpusets" ] || die "no writable cgroup v1 cpuset controller at $cpusets; run without CORES"
-  local have
+  local have pin
+  pin=$(cg mode cpuset 2>&1) || die "${pin#cgroups: error: }"
+  pin_mode=${pin%% *}
   have=$(python3 -c 'import os; print(len(os.sched_getaffinity(0)))')
   [ $(( $1 * ${#hosts[@]} )) -le "$have" ] \
     || die "$1 cores for each of ${#hosts[@]} hosts needs $(( $1 * ${#hosts[@]} )) cores; this machine has $have"
 }
 
 confine() {  # confine I N: host I's sshd (and all it starts) on cores (I-1)*N .. I*N-1 of this machine's
-  local i=$1 n=$2 group pid tries=50
-  local cores
+  local i=$1 n=$2 pid tries=50 cores how
   cores=$(python3 -c "import os; c = sorted(os.sched_getaffinity(0)); print(','.join(map(str, c[($i - 1) * $n:$i * $n])))")
-  group=$(cpuset "$i")
-  mkdir "$group"
-  echo "$cores" > "$group/cpuset.cpus"
-  cat "$cpusets/cpuset.mems" > "$group/cpuset.mems"
   until pid=$(cat "$state/sshd-$i.pid" 2>/dev/null) && [ -n "$pid" ]; do  # sshd writes it once it listens
     tries=$((tries - 1)); [ "$tries" -gt 0 ] || die "sshd of host $i wrote no pid file"; sleep 0.1
   done
-  echo "$pid" > "$group/tasks"
+  how=$(cg pin "$pin_mode" "${groups[$((i - 1))]}" "$cores" "$pid" --state "$state" 2>&1) || die "${how#cgroups: error: }"
   echo "$cores" > "$state/cores-$i"
+  echo "$how" > "$state/pin-$i"
 }
 
 up() {
@@ -155,7 +154,7 @@ leftovers() {  # true when anything `up` makes is still there
     ip link show "$(veth "$i")" >/dev/null 2>&1 && return 0
   done
   ip link show "$bridge" >/dev/null 2>&1 && return 0
-  for i in "${hosts[@]}"; do [ -d "$(cpuset "$i")" ] && return 0; done
+  [ -n "$(cg groups "${groups[@]}")" ] && return 0
   [ -f "$user_config" ] && grep -qxF "$include" "$user_config" && return 0
   [ -e "$state" ]
 }
@@ -178,8 +177,8 @@ down() {
     pid=$(cat "$state/sshd-$i.pid" 2>/dev/null || true)
     [ -n "$pid" ] && tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -qF "$state/sshd-$i.pid" && pids+=("$pid")
     [ -e "/run/netns/$(ns "$i")" ] && pids+=($(ip netns pids "$(ns "$i")" 2>/dev/null || true))
-    [ -d "$(cpuset "$i")" ] && pids+=($(cat "$(cpuset "$i")/tasks" 2>/dev/null || true))
   done
+  pids+=($(cg pids "${groups[@]}" 2>/dev/null || true))
   if [ ${#pids[@]} -gt 0 ]; then
     kill "${pids[@]}" 2>/dev/null || true
     for _ in $(seq 50); do alive "${pids[@]}" || break; sleep 0.1; done
@@ -198,15 +197,13 @@ down() {
     if [ -f "$state/created-ssh-config" ] && [ ! -s "$user_config" ]; then rm "$user_config"; fi
   fi
   if [ -f "$state/created-ssh-dir" ]; then rmdir "$HOME/.ssh" 2>/dev/null || true; fi
+  cg remove "${groups[@]}" --state "$state" || true  # each once its last process has exited (retried)
   rm -rf "$state"
   for _ in $(seq 50); do
-    for i in "${hosts[@]}"; do  # a group can be removed once its last process has exited
-      [ -d "$(cpuset "$i")" ] && { rmdir "$(cpuset "$i")" 2>/dev/null || true; }
-    done
     leftovers || return 0
     sleep 0.1
   done
-  die "could not remove everything (see: ip netns list; ip link show $bridge; ls $cpusets)"
+  die "could not remove everything (see: ip netns list; ip link show $bridge; python3 -m nshard.cgroups groups ${groups[*]})"
 }
 
 [ "$(id -u)" = 0 ] || die "needs root (network namespaces, veth, tc, sshd)"

@@ -1,5 +1,7 @@
-"""Per-rank hard memory caps on CPU: one cgroup v1 memory group per local rank, joined by
-launch/capped.sh, removed again when the block ends (also on an exception or SIGTERM/SIGINT).
+"""Per-rank hard memory caps on CPU: one memory group per local rank, of cgroup v2 (`memory.max`) where the
+machine's unified hierarchy has the memory controller, else of cgroup v1 (`memory.limit_in_bytes`;
+NSHARD_MEMCAP_CGROUP=v2|v1 forces one: nshard/cgroups.py), joined by launch/capped.sh, removed again when the block
+ends (also on an exception or SIGTERM/SIGINT).
 
 On GPU the same cap would be `torch.cuda.set_per_process_memory_fraction(cap / total, device)` in
 each rank before the model is built (an allocation past it raises torch.OutOfMemoryError); this
@@ -15,7 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-CGROUP_ROOT = Path(os.environ.get("NSHARD_CGROUP_ROOT", "/sys/fs/cgroup/memory"))
+from nshard import cgroups
+
 WRAPPER = Path(__file__).resolve().parent / "capped.sh"
 TRAIN = Path(__file__).resolve().parent.parent / "nshard" / "train.py"
 
@@ -33,42 +36,55 @@ class RankUsage:
     failcnt: int
 
 
-def oom_kills(group: Path) -> int:
-    """The group's OOM-kill count (memory.oom_control's oom_kill line; kernels >= 4.13)."""
-    for line in (group / "memory.oom_control").read_text().splitlines():
-        key, _, value = line.partition(" ")
-        if key == "oom_kill":
+def counter(path: Path, key: str) -> int:
+    """One `key value` line of a cgroup file (v1's memory.oom_control, v2's memory.events)."""
+    for line in path.read_text().splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
             return int(value)
-    raise CapError(f"{group}/memory.oom_control has no oom_kill line; this kernel cannot tell OOM kills apart")
+    raise CapError(f"{path} has no {key} line; this kernel cannot tell OOM kills apart (v1 needs kernel >= 4.13)")
+
+
+def usage(group: Path, version: str) -> RankUsage:
+    """v1: memory.oom_control's oom_kill, memory.max_usage_in_bytes, memory.failcnt. v2: memory.events' oom_kill
+    and max (times the limit was hit), memory.peak (kernels >= 5.19; else memory.current at the end)."""
+    if version == "v1":
+        return RankUsage(counter(group / "memory.oom_control", "oom_kill"),
+                         int((group / "memory.max_usage_in_bytes").read_text()), int((group / "memory.failcnt").read_text()))
+    peak = group / "memory.peak" if (group / "memory.peak").is_file() else group / "memory.current"
+    return RankUsage(counter(group / "memory.events", "oom_kill"), int(peak.read_text()),
+                     counter(group / "memory.events", "max"))
 
 
 class RankCaps:
     """`ranks` memory groups of `cap_bytes` each; use as a context manager and pass `env` to the launcher."""
 
     def __init__(self, cap_bytes: int, ranks: int, tag: str = ""):
-        if not (CGROUP_ROOT / "cgroup.procs").is_file() or not os.access(CGROUP_ROOT, os.W_OK):
-            raise CapError(f"{CGROUP_ROOT} is not a writable cgroup v1 memory controller; per-rank caps need it "
-                           "(run as root on a host that mounts it, or cap GPU ranks with "
-                           "torch.cuda.set_per_process_memory_fraction)")
+        try:
+            self.hierarchy = cgroups.choose("memory").hierarchy
+        except cgroups.CgroupError as exc:
+            raise CapError(f"{exc}; per-rank caps need a writable memory controller (run as root on a host that "
+                           "mounts one, or cap GPU ranks with torch.cuda.set_per_process_memory_fraction)") from None
         self.cap_bytes, self.ranks = int(cap_bytes), ranks
         self.prefix = f"nshard-cap-{os.getpid()}-{tag or int(time.time() * 1000) % 10**8}"
-        self.groups = [CGROUP_ROOT / f"{self.prefix}-rank{r}" for r in range(ranks)]
+        self.names = [f"{self.prefix}-rank{r}" for r in range(ranks)]
+        self.groups = [self.hierarchy.root / n for n in self.names]
         self._old_handlers: dict = {}
 
     @property
     def env(self) -> dict[str, str]:
-        return {"NSHARD_CGROUP_ROOT": str(CGROUP_ROOT), "NSHARD_CGROUP_PREFIX": self.prefix,
+        return {"NSHARD_CGROUP_ROOT": str(self.hierarchy.root), "NSHARD_CGROUP_PREFIX": self.prefix,
                 "NSHARD_PYTHON": sys.executable, "NSHARD_TRAIN": str(TRAIN)}
 
     def __enter__(self) -> "RankCaps":
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._old_handlers[sig] = signal.signal(sig, self._on_signal)
         try:
-            for group in self.groups:
-                group.mkdir()
-                # No swap here, but keep the group off it anyway so the limit means resident memory.
-                (group / "memory.swappiness").write_text("0")
-                (group / "memory.limit_in_bytes").write_text(str(self.cap_bytes))
+            for name in self.names:  # the limit with swap kept out, so that it means resident memory
+                self.hierarchy.make(name, str(self.cap_bytes))
+        except cgroups.CgroupError as exc:
+            self.remove()
+            raise CapError(str(exc)) from None
         except BaseException:
             self.remove()
             raise
@@ -78,8 +94,7 @@ class RankCaps:
         raise KeyboardInterrupt(f"signal {signum}")  # unwinds through __exit__, which removes the groups
 
     def usage(self) -> list[RankUsage]:
-        return [RankUsage(oom_kills(g), int((g / "memory.max_usage_in_bytes").read_text()),
-                          int((g / "memory.failcnt").read_text())) for g in self.groups]
+        return [usage(g, self.hierarchy.version) for g in self.groups]
 
     def remove(self) -> None:
         """rmdir every group; a group whose last process is still exiting is retried for a few seconds."""
@@ -103,7 +118,7 @@ class RankCaps:
 
 
 def leftover_groups(prefix: str = "nshard-cap-") -> list[Path]:
-    return sorted(p for p in CGROUP_ROOT.glob(f"{prefix}*") if p.is_dir())
+    return sorted(p for h in cgroups.hierarchies("memory").values() for p in h.root.glob(f"{prefix}*") if p.is_dir())
 
 
 def warm_extensions() -> dict:

@@ -6,10 +6,39 @@
 # emulated hosts (launch/hosts.sh); last, the embedded model converted and DeepSpeed's CPU collective compiled.
 # Every Python package is installed at the version constraints.txt pins (launch/constraints.sh rewrites it); torch
 # from NSHARD_TORCH_INDEX is installed without it, as that index carries other versions of torch's own dependencies,
-# which the package's install then brings to the pinned ones. Safe to run again.
+# which the package's install then brings to the pinned ones. Safe to run again. Before any of it, what it needs is
+# checked, one line each naming the Debian package that brings it; `bash launch/setup.sh --check` prints those
+# lines and stops (exit 1 when something needed is missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+
+requirements() {  # one line per requirement; status 1 when one that set-up cannot do without is missing
+  local missing=0 headers pin caps
+  say() { echo "setup: $*" >&2; }
+  if ! command -v "$PY" >/dev/null || ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+    say "missing: Python 3.10 or newer as $PY: apt-get install python3 (or set PYTHON=...)"; return 1
+  fi
+  if "$PY" -c 'import venv, ensurepip' 2>/dev/null; then say "ok: Python $("$PY" -c 'import platform; print(platform.python_version())') with venv"
+  else say "missing: Python's venv module for $PY: apt-get install python3-venv"; missing=1; fi
+  headers=$("$PY" -c 'import os, sysconfig; print(os.path.join(sysconfig.get_paths()["include"], "Python.h"))')
+  if [ -f "$headers" ]; then say "ok: Python's headers ($headers)"
+  else say "missing: Python's headers ($headers), which DeepSpeed's CPU collective compiles against: apt-get install python3-dev"; missing=1; fi
+  if command -v g++ >/dev/null; then say "ok: C++ compiler ($(command -v g++))"
+  else say "missing: a C++ compiler (g++), which compiles DeepSpeed's CPU collective: apt-get install g++ (or build-essential)"; missing=1; fi
+  if command -v git >/dev/null; then say "ok: git"
+  else say "missing: git, which names the source commit of every run: apt-get install git"; missing=1; fi
+  if [ "$(id -u)" = 0 ]; then say "ok: root (apt installs Open MPI, openssh-server and pdsh; the main job can emulate two hosts)"
+  else say "not root: skipped: apt-get install openmpi-bin libopenmpi-dev openssh-server pdsh (the mpi4py transport and" \
+           "launch/hosts.sh); the emulated hosts need root too, so the main job's speed screen will read NOT COMPARABLE"; fi
+  if pin=$(PYTHONPATH=. "$PY" -m nshard.cgroups mode cpuset --words 2>&1); then say "ok: the emulated hosts' cores pinned by $pin"
+  else say "missing: a way to pin the emulated hosts' cores: ${pin#cgroups: error: }"; missing=1; fi
+  if caps=$(PYTHONPATH=. "$PY" -m nshard.cgroups mode memory --words 2>&1); then say "ok: per-rank memory caps by $caps"
+  else say "no per-rank memory caps (launch/capacity.py and launch/memory_probe.py refuse): ${caps#cgroups: error: }"; fi
+  return $missing
+}
+
+if [ "${1:-}" = --check ]; then requirements; exit; fi
 stamp=.venv/.nshard-setup
 TORCH_INDEX=${NSHARD_TORCH_INDEX:-}
 want=$({ cat pyproject.toml constraints.txt launch/setup.sh; echo "torch index: $TORCH_INDEX"; } | sha256sum | cut -c1-16)
@@ -18,6 +47,7 @@ system_packages() { command -v mpirun >/dev/null && command -v pdsh >/dev/null &
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && { system_packages || [ "$(id -u)" != 0 ]; }; then
   exit 0
 fi
+requirements || { echo "setup: install what is missing above, then run launch/setup.sh again" >&2; exit 1; }
 # A venv whose creation was interrupted has a python but no pip: make it again.
 .venv/bin/python -m pip --version >/dev/null 2>&1 || "$PY" -m venv --clear .venv
 .venv/bin/python -m pip install -q --upgrade pip
@@ -37,9 +67,7 @@ if ! system_packages; then
       openssh-server pdsh >/dev/null) \
       || echo "setup: could not install Open MPI, openssh-server or pdsh; the mpi4py transport and the" \
               "emulated-host tests will fail" >&2
-  else
-    echo "setup: install openmpi-bin (mpi4py transport), openssh-server and pdsh (launch/hosts.sh) as root" >&2
-  fi
+  fi  # without root, requirements() said what is skipped
 fi
 # One-time work that every run on this machine would otherwise pay inside its first launch: the embedded model
 # converted from its GGUF to a safetensors directory, and (without CUDA) DeepSpeed's CPU collective compiled.

@@ -444,6 +444,28 @@ def test_local_gpus_share_one_host_so_their_speed_screen_is_not_comparable(tmp_p
     assert placement["kind"] == "local" and placement["comparable"] is False and "GPUs" in placement["why"]
 
 
+def test_the_preflight_says_before_the_first_arm_whether_the_speed_screen_can_compare():
+    """What the study prints before anything costly: where the arms run and how the emulated hosts' cores are pinned,
+    and a warning where the speed screen will read NOT COMPARABLE."""
+    from nshard.study.placement import preflight
+
+    local = {"kind": "local", "requested": "emulated", "comparable": False, "why": "emulated hosts need root"}
+    assert preflight(local) == ("placement: every rank on this machine (asked: emulated)",
+                                "the speed screen will read NOT COMPARABLE: emulated hosts need root")
+    emulated = {"kind": "emulated", "link": "1gbit", "cores_per_host": 1, "comparable": True, "why": None,
+                "pin": {"mode": "affinity", "by": "CPU affinity, forced by NSHARD_PLACEMENT_PIN"}}
+    assert preflight(emulated) == ("placement: two emulated hosts, 1 core(s) each pinned by CPU affinity, forced by "
+                                   "NSHARD_PLACEMENT_PIN, link 1gbit; the speed screen can compare the arms", None)
+
+
+def test_a_pin_mode_that_does_not_exist_is_refused_before_anything_runs(monkeypatch):
+    from nshard.study.placement import PlacementError, pin_choice
+
+    monkeypatch.setenv("NSHARD_PLACEMENT_PIN", "cgroup")
+    with pytest.raises(PlacementError, match=r"NSHARD_PLACEMENT_PIN='cgroup': use one of v2, v1, affinity"):
+        pin_choice()
+
+
 def test_the_shipped_two_host_example_is_comparable_and_the_shipped_hostfile_is_not(tmp_path):
     from nshard.run.plan import load_plan
     from nshard.study.placement import describe

@@ -25,13 +25,28 @@ HOSTS_SH = REPO / "launch" / "hosts.sh"
 NAMESPACES = {"198.51.100.1": "nshard-h1", "198.51.100.2": "nshard-h2"}
 LINKS = ("nshard-h1", "nshard-h2", "nshard-v1", "nshard-v2", "nshard-br")
 USER_SSH_CONFIG = Path.home() / ".ssh" / "config"
-CPUSETS = Path("/sys/fs/cgroup/cpuset")
+GROUPS = ["nshard-h1", "nshard-h2"]
+
+
+def pin_modes() -> list[str]:
+    """The ways to pin the hosts' cores this machine can run (v2 or v1 where a cpuset controller is writable; CPU
+    affinity always): each is forced in turn through NSHARD_PLACEMENT_PIN."""
+    from nshard.cgroups import CgroupError, choose
+
+    modes = []
+    for mode in ("v2", "v1", "affinity"):
+        try:
+            modes.append(choose("cpuset", forced=mode).mode)
+        except CgroupError:
+            pass
+    return modes
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces, veth and sshd need root (the not-root test drops it with setpriv)")
 
 
-def hosts_sh(*args, timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(HOSTS_SH), *args], capture_output=True, text=True, timeout=timeout)
+def hosts_sh(*args, timeout=120, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(HOSTS_SH), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
 
 
 def in_namespace(ns: str, *cmd) -> str:
@@ -52,7 +67,9 @@ def what_is_left() -> list[str]:
         left.append(f"Include line in {USER_SSH_CONFIG}")
     if Path(state).exists():
         left.append(state)
-    left += [f"cpuset {g}" for g in sorted(CPUSETS.glob("nshard-h*"))]
+    from nshard.cgroups import existing
+
+    left += [f"cpuset {h.root / n}" for h, n in existing(GROUPS)]
     return left
 
 
@@ -182,29 +199,52 @@ def test_up_refuses_a_bad_rate_and_a_pair_already_up(user_ssh_config):
     assert_nothing_left()
 
 
-@pytest.mark.skipif(not CPUSETS.is_dir(), reason="no cgroup v1 cpuset controller")
-def test_each_host_gets_its_own_core_and_everything_it_starts_inherits_it(user_ssh_config):
-    """up none 1: each sshd in a cpuset of one core of its own; a process started over ssh sees that core only
-    (os.cpu_count() still says the machine's count: nshard sizes threads from the affinity); down removes the
-    groups."""
+@pytest.mark.parametrize("mode", pin_modes())
+def test_each_host_gets_its_own_core_and_everything_it_starts_inherits_it(user_ssh_config, mode):
+    """NSHARD_PLACEMENT_PIN=MODE up none 1: each sshd pinned to one core of its own (a cpuset group of cgroup v2 or
+    v1, or its CPU affinity); a process started over ssh may use that core only (/proc/<pid>/status's
+    Cpus_allowed_list; os.cpu_count() still says the machine's count: nshard sizes threads from the affinity); down
+    removes the groups."""
+    from nshard.cgroups import hierarchies
+
     assert not what_is_left(), "another emulated pair is up: run launch/hosts.sh down"
     cores = sorted(os.sched_getaffinity(0))
     require(len(cores) >= 2, "needs two cores")
-    up = hosts_sh("up", "none", "1")
+    up = hosts_sh("up", "none", "1", env={"NSHARD_PLACEMENT_PIN": mode})
     try:
         assert up.returncode == 0, up.stderr
         seen = {}
         for i, host in enumerate(NAMESPACES, start=1):
-            assert (CPUSETS / f"nshard-h{i}" / "cpuset.cpus").read_text().strip() == str(cores[i - 1])
             pid = (REPO / "runs" / "hosts" / f"sshd-{i}.pid").read_text().strip()
-            assert pid in (CPUSETS / f"nshard-h{i}" / "tasks").read_text().split()
-            seen[host] = subprocess.run(["ssh", "-o", "BatchMode=yes", host, "python3", "-c",
-                                         "'import os; print(sorted(os.sched_getaffinity(0)))'"],
-                                        capture_output=True, text=True, timeout=60, check=True).stdout.strip()
-        assert seen == {host: f"[{cores[i]}]" for i, host in enumerate(NAMESPACES)}
+            pinned = (REPO / "runs" / "hosts" / f"pin-{i}").read_text().strip()
+            if mode == "affinity":
+                assert pinned == "CPU affinity" and not what_is_left_of_groups()
+            else:
+                group = hierarchies("cpuset")[mode].root / f"nshard-h{i}"
+                assert pinned == f"cgroup {mode} group {group}"
+                assert (group / "cpuset.cpus").read_text().strip() == str(cores[i - 1])
+                assert pid in (group / "cgroup.procs").read_text().split()
+            seen[host] = subprocess.run(["ssh", "-o", "BatchMode=yes", host, "grep", "Cpus_allowed_list",
+                                         "/proc/self/status"],
+                                        capture_output=True, text=True, timeout=60, check=True).stdout.split()[-1]
+        assert seen == {host: str(cores[i]) for i, host in enumerate(NAMESPACES)}
     finally:
         down = hosts_sh("down")
         assert down.returncode == 0, down.stderr
+    assert_nothing_left()
+
+
+def what_is_left_of_groups() -> list[str]:
+    return [x for x in what_is_left() if x.startswith("cpuset ")]
+
+
+def test_a_pin_mode_this_machine_cannot_run_is_refused_before_anything_is_made(user_ssh_config):
+    """A forced mode that cannot run here (v2 on a machine whose cpuset is v1's, or v1 on a v2-only one): one line
+    naming why and the fix, exit 2, nothing made."""
+    missing = [m for m in ("v2", "v1") if m not in pin_modes()]
+    require(bool(missing), "this machine runs every pin mode")
+    bad = hosts_sh("up", "none", "1", env={"NSHARD_PLACEMENT_PIN": missing[0]})
+    assert bad.returncode == 2 and f"NSHARD_PLACEMENT_PIN={missing[0]} cannot run here" in bad.stderr, bad.stderr
     assert_nothing_left()
 
 
@@ -216,10 +256,12 @@ def test_up_refuses_more_cores_than_the_machine_has(user_ssh_config):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not CPUSETS.is_dir(), reason="no cgroup v1 cpuset controller")
-def test_a_study_with_emulated_placement_runs_each_arm_as_the_reference_did(user_ssh_config, tmp_path):
+@pytest.mark.parametrize("mode", [None, "affinity"])
+def test_a_study_with_emulated_placement_runs_each_arm_as_the_reference_did(user_ssh_config, tmp_path, mode):
     """The tiny study on two emulated hosts (a core each, a 1gbit link): the one-rank arm on the first host,
-    the two-rank arms across both, each rank on its own core; the speed screen compares them; nothing left."""
+    the two-rank arms across both, each rank on its own core (its receipt's cpus_allowed, read from
+    /proc/<pid>/status); the speed screen compares them; nothing left. Twice: pinned as this machine chooses (a
+    cpuset cgroup here), and by CPU affinity alone (NSHARD_PLACEMENT_PIN=affinity)."""
 
     assert not what_is_left(), "another emulated pair is up: run launch/hosts.sh down"
     (tmp_path / "dense.json").write_text(json.dumps(tiny_config("dense")))
@@ -236,20 +278,27 @@ def test_a_study_with_emulated_placement_runs_each_arm_as_the_reference_did(user
     # A cache of its own: the study fills it before the hosts come up (the tiny model), so an arm that still
     # filled a cache would say so in its receipts.
     proc = subprocess.run([sys.executable, "-m", "nshard.study", "--plan", str(plan), "--out", str(out)], cwd=REPO,
-                          env=run_env({"NSHARD_CACHE": str(tmp_path / "cache")}), capture_output=True, text=True,
-                          timeout=1200)
+                          env=run_env({"NSHARD_CACHE": str(tmp_path / "cache"),
+                                       **({"NSHARD_PLACEMENT_PIN": mode} if mode else {})}),
+                          capture_output=True, text=True, timeout=1200)
     assert_nothing_left()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     study = json.loads((out / "study.json").read_text())
     placement = study["placement"]
     assert placement["kind"] == "emulated" and placement["comparable"] and placement["link"] == "1gbit"
     assert placement["hosts"] == list(NAMESPACES) and len(set(placement["cores"])) == 2
+    from nshard.cgroups import choose
+
+    expected = choose("cpuset", forced=mode)
+    assert placement["pin"]["mode"] == expected.mode and placement["pin"]["forced"] == (mode is not None)
+    cores = dict(zip(placement["hosts"], placement["cores"]))
     one = receipts(out / "arms" / "one-rank")
-    assert [r["host"] for r in one] == ["198.51.100.1"]
+    assert [r["host"] for r in one] == ["198.51.100.1"] and one[0]["cpus_allowed"] == cores["198.51.100.1"]
     for arm in ("dense", "powersgd"):
         rs = receipts(out / "arms" / arm)
         assert [r["host"] for r in rs] == list(NAMESPACES) and rs[0]["net_namespace"] != rs[1]["net_namespace"]
         assert all(r["link"]["kernel_tx_bytes"] > 0 for r in rs)
+        assert [r["cpus_allowed"] for r in rs] == placement["cores"]  # each rank on its own host's core alone
     results = json.loads((out / "results.json").read_text())
     speed = results["screens"]["speed"]
     assert speed["comparable"] and isinstance(speed["passed"], bool)
@@ -257,7 +306,12 @@ def test_a_study_with_emulated_placement_runs_each_arm_as_the_reference_did(user
     psgd_gb = next(a for a in results["arms"] if a["name"] == "powersgd")["execution"]["kernel_tx_bytes"]
     assert 0 < psgd_gb < dense_gb
     report = (out / "report.md").read_text()
-    assert "Placement: two emulated hosts on one machine, 1 core(s) each, link 1gbit." in report
+    assert f"Placement: two emulated hosts on one machine, 1 core(s) each pinned by {placement['pin']['by']}, " \
+        "link 1gbit." in report
+    # Said before the first arm: where the arms run, how their cores are pinned, and that the screen can compare.
+    assert (f"[study] placement: two emulated hosts, 1 core(s) each pinned by {placement['pin']['by']}, link 1gbit; "
+            "the speed screen can compare the arms") in proc.stdout.split("[study] arm ")[0].splitlines()
+    assert "NOT COMPARABLE" not in proc.stderr
     assert "emulated hosts down" in proc.stdout
     # Issue 25: a warm-up launch across both hosts before the first arm, so no arm pays a one-time cost the
     # others skip; every arm's start-up is in its receipts and the report.

@@ -1,7 +1,10 @@
 """nshard/run/netcount.py: the kernel's count against the collectives' bytes, and when that is a disagreement."""
 
+import os
+
 import pytest
 
+from nshard.cgroups import parse_cores
 from nshard.run import netcount
 
 
@@ -47,4 +50,5 @@ def test_no_link_interface_records_null(monkeypatch, capsys):
     body = finish(monkeypatch, 1000, interface="")
     assert body["link"]["kernel_tx_bytes"] is None and body["link"]["agree"] is None
     assert body["host"] and body["net_namespace"].startswith("net:[")
+    assert parse_cores(body["cpus_allowed"]) == sorted(os.sched_getaffinity(0))  # the kernel's list, as it reads here
     assert capsys.readouterr().err == ""

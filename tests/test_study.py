@@ -84,6 +84,10 @@ def test_the_study_writes_its_outputs_and_reports_the_failed_arm(study):
     speed = results["screens"]["speed"]
     assert speed["passed"] is None and not speed["comparable"] and "split the cores" in speed["why"]
     assert results["placement"]["kind"] == "local" and speed["speedups"]["powersgd"]["complete_process"] > 0
+    # ... and the study said so before its first arm, not only in the report at the end.
+    before_arms = stdout.split("[study] arm ")[0].splitlines()
+    assert "[study] placement: every rank on this machine" in before_arms
+    assert f"nshard: warning: the speed screen will read NOT COMPARABLE: {speed['why']}" in study["proc"].stderr
     assert not results["screens"]["quality"]["passed"]  # a control failed: no non-inferiority claim against it
     record = load_commitment(out / "commitment.json")
     assert results["commitment_sha256"] == record["record_sha256"]
@@ -555,6 +559,27 @@ def test_the_study_archives_its_evidence_beside_the_results(study, tmp_path):
     shutil.copyfile(out / "evidence.tar.sha256", tmp_path / "evidence.tar.sha256")
     flipped = archive_cli("verify", copy)
     assert flipped.returncode == 1 and "archive sha256 is" in flipped.stderr
+
+
+def test_a_results_file_of_the_study_keeps_audit_files_its_report_traces_to(study, tmp_path):
+    """launch/results_file.py on the study (its failed arm included): the audit folder holds the archive's
+    results.json, every finished rank's receipts and the archive's index, and every headline figure of the report
+    equals results.json's."""
+    from launch import results_file
+    from test_results_file import git, read_audit
+
+    checkout = tmp_path / "clone"  # results_file names a clean checkout's commit
+    checkout.mkdir()
+    git(checkout, "init", "-q")
+    git(checkout, "commit", "-q", "--allow-empty", "-m", "c")
+    out = tmp_path / "results"
+    assert results_file.main(["--run", str(study["out"]), "--checkout", str(checkout), "--command", "study",
+                              "--run_s", "60", "--out", str(out)]) == 0
+    [written] = out.glob("*.md")
+    folder = read_audit(written.with_name(written.stem + results_file.AUDIT))
+    assert {n for n in folder if "/receipts/" in n} == {
+        str(p.relative_to(study["out"])) for p in (study["out"] / "arms").glob("*/receipts/rank-*.json")}
+    assert results_file.audit_mismatches((study["out"] / "report.md").read_text(), folder) == []
 
 
 def tiny_tokenizer():

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import psutil
 
+from nshard.cgroups import allowed_cores
 from nshard.log import log
 
 TOLERANCE = 0.05
@@ -62,11 +63,13 @@ def tx_bytes(interface: str | None) -> int | None:
 
 def where(backend: str = "gloo") -> dict:
     """`host`: this rank's IPv4 address on the link interface, else the machine's name;
-    `net_namespace`: the kernel's name for the network namespace the rank ran in."""
+    `net_namespace`: the kernel's name for the network namespace the rank ran in;
+    `cpus_allowed`: the cores its cpuset and affinity left it (/proc/<pid>/status's Cpus_allowed_list)."""
     interface = link_interface(backend)
     addresses = psutil.net_if_addrs().get(interface, []) if interface else []
     ipv4 = [a.address for a in addresses if a.family == socket.AF_INET]
-    return {"host": ipv4[0] if ipv4 else socket.gethostname(), "net_namespace": os.readlink("/proc/self/ns/net")}
+    return {"host": ipv4[0] if ipv4 else socket.gethostname(), "net_namespace": os.readlink("/proc/self/ns/net"),
+            "cpus_allowed": allowed_cores()}
 
 
 class LinkCount:

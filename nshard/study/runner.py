@@ -609,6 +609,10 @@ def run_owned(plan: Plan, plan_path: Path, out: Path, exploratory: bool) -> dict
     # Every refusal comes before the study directory is touched: a refused study leaves it as it was.
     cohort = accept_cohort(plan) if plan.cohort.enabled else None
     placement = placement_mod.describe(plan, cuda_available())  # reads the hostfile: before any cost
+    line, warning = placement_mod.preflight(placement)
+    say(line)
+    if warning:  # before any cost, not first in the report at the end
+        log.warning("%s", warning)
     prepare_shared_caches(plan, plan_path)
     out.mkdir(parents=True, exist_ok=True)
     if cohort is not None:
@@ -627,15 +631,14 @@ def run_owned(plan: Plan, plan_path: Path, out: Path, exploratory: bool) -> dict
         study["growth"], grown_plans = growth_mod.plan_budget(plan, plan_path, out, say, resolve_ds_config)
         arm_plans.update(grown_plans)
     study["placement"] = placement
-    if not study["placement"]["comparable"]:
-        say(f"speed screen not comparable: {study['placement']['why']}")
     with contextlib.ExitStack() as stack:
         hosts = None
         if study["placement"]["kind"] == "emulated":
-            hosts = stack.enter_context(placement_mod.emulated_hosts(plan.study.link, plan.study.cores_per_host, out))
-            study["placement"].update(hosts=hosts["hosts"], cores=hosts["cores"])
-            say(f"emulated hosts up: {', '.join(f'{h} on core(s) {c}' for h, c in zip(hosts['hosts'], hosts['cores']))}, "
-                f"link {plan.study.link}")
+            hosts = stack.enter_context(placement_mod.emulated_hosts(plan.study.link, plan.study.cores_per_host, out,
+                                                                     placement["pin"]["mode"]))
+            study["placement"].update(hosts=hosts["hosts"], cores=hosts["cores"], pinned=hosts["pinned"])
+            where = [f"{h} on core(s) {c} ({p})" for h, c, p in zip(hosts["hosts"], hosts["cores"], hosts["pinned"])]
+            say(f"emulated hosts up: {', '.join(where)}, link {plan.study.link}")
             if not all(arm_is_done(out / "arms" / a.name, file_sha256(arm_plans[a.name]),
                                    file_sha256(resolve_ds_config(a.ds_config, plan_path)), a.ranks, a.replay)
                        for a in plan.study.arms if not a.interpolate):  # an arm will be timed
