@@ -334,17 +334,22 @@ def llama_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def mixtral_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """MixtralForCausalLM's parameter shapes (transformers 5: fused experts [E, 2I, H] and [E, H, I], a router)."""
-    h, i, e = config["hidden_size"], config["intermediate_size"], config["num_local_experts"]
+def sparse_shapes(config: dict, mlp: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """llama_shapes with each layer's MLP replaced by a sparse block's parameters (name under `mlp.` -> shape)."""
     shapes = llama_shapes(config)
     for layer in range(config["num_hidden_layers"]):
         p = f"model.layers.{layer}.mlp."
         for name in ("gate_proj", "up_proj", "down_proj"):
             del shapes[p + name + ".weight"]
-        shapes.update({p + "gate.weight": (e, h), p + "experts.gate_up_proj": (e, 2 * i, h),
-                       p + "experts.down_proj": (e, h, i)})
+        shapes.update({p + name: shape for name, shape in mlp.items()})
     return shapes
+
+
+def mixtral_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """MixtralForCausalLM's parameter shapes (transformers 5: fused experts [E, 2I, H] and [E, H, I], a router)."""
+    h, i, e = config["hidden_size"], config["intermediate_size"], config["num_local_experts"]
+    return sparse_shapes(config, {"gate.weight": (e, h), "experts.gate_up_proj": (e, 2 * i, h),
+                                  "experts.down_proj": (e, h, i)})
 
 
 def qwen2_moe_shapes(config: dict) -> dict[str, tuple[int, ...]]:
@@ -352,16 +357,10 @@ def qwen2_moe_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     router, fused routed experts [E, 2I_e, H] and [E, H, I_e], a shared expert and its [1, H] sigmoid gate."""
     h, e = config["hidden_size"], config["num_experts"]
     ie, si = config["moe_intermediate_size"], config["shared_expert_intermediate_size"]
-    shapes = llama_shapes(config)
-    for layer in range(config["num_hidden_layers"]):
-        p = f"model.layers.{layer}.mlp."
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            del shapes[p + name + ".weight"]
-        shapes.update({p + "gate.weight": (e, h), p + "experts.gate_up_proj": (e, 2 * ie, h),
-                       p + "experts.down_proj": (e, h, ie), p + "shared_expert.gate_proj.weight": (si, h),
-                       p + "shared_expert.up_proj.weight": (si, h), p + "shared_expert.down_proj.weight": (h, si),
-                       p + "shared_expert_gate.weight": (1, h)})
-    return shapes
+    return sparse_shapes(config, {"gate.weight": (e, h), "experts.gate_up_proj": (e, 2 * ie, h),
+                                  "experts.down_proj": (e, h, ie), "shared_expert.gate_proj.weight": (si, h),
+                                  "shared_expert.up_proj.weight": (si, h), "shared_expert.down_proj.weight": (h, si),
+                                  "shared_expert_gate.weight": (1, h)})
 
 
 ARCHITECTURES = {"llama": llama_shapes, "mixtral": mixtral_shapes, "qwen2_moe": qwen2_moe_shapes}

@@ -102,6 +102,15 @@ def test_zero2_with_delta_sync_trains_the_sparse_model_like_stage_0(arms):
     assert all(len(r["update_delta_gap"]) == UPDATES for r in receipts(arms["zero2-delta"]))
 
 
+def loads_and_tokens(out) -> list[tuple[list[list[int]], int]]:
+    """Each update's expert load (metrics.jsonl) and the document tokens its schedule trained."""
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    prepared = [json.loads(line) for line in (out / "prepared" / "documents.jsonl").read_text().splitlines()]
+    schedule = json.loads((out / "prepared" / "schedule.json").read_text())
+    return [(m["expert_load"], sum(len(prepared[i]["input_ids"]) for i in schedule[update]))
+            for update, m in enumerate(metrics)]
+
+
 def test_expert_receipts_record_load_no_dead_experts_and_identical_routing(arms):
     for name, out in arms.every():
         rs = receipts(out)
@@ -114,13 +123,9 @@ def test_expert_receipts_record_load_no_dead_experts_and_identical_routing(arms)
             assert experts["routing_identical_on_ranks"] and len(r["update_experts"]) == UPDATES
         # The load is the all-rank count, the same in every rank's receipt, and covers every real token twice.
         assert len({json.dumps(r["update_experts"]) for r in rs}) == 1
-        metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        prepared = [json.loads(line) for line in (out / "prepared" / "documents.jsonl").read_text().splitlines()]
-        schedule = json.loads((out / "prepared" / "schedule.json").read_text())
-        for update, m in enumerate(metrics):
-            tokens = sum(len(prepared[i]["input_ids"]) for i in schedule[update])
-            assert [sum(layer) for layer in m["expert_load"]] == [2 * tokens] * 2, (name, update)
-            assert m["expert_load"] == rs[0]["update_experts"][update]["load"]
+        for update, (load, tokens) in enumerate(loads_and_tokens(out)):
+            assert [sum(layer) for layer in load] == [2 * tokens] * 2, (name, update)
+            assert load == rs[0]["update_experts"][update]["load"]
     # One rank and two ranks route the probe of every update the same way (same model within fp32 tolerance).
     digests = {name: [u["probe_routing_sha256"] for u in receipts(out)[0]["update_experts"]]
                for name, out in arms.every()}
@@ -206,10 +211,7 @@ def test_qwen2_moe_expert_receipts_count_one_expert_per_token_and_agree_on_ranks
             assert experts["aux_loss_coef"] == 0.0 and experts["aux_loss"].startswith("none")
             assert experts["dropped_tokens"] == 0 and experts["routing_identical_on_ranks"]
         assert len({json.dumps(r["update_experts"]) for r in rs}) == 1
-        metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        prepared = [json.loads(line) for line in (out / "prepared" / "documents.jsonl").read_text().splitlines()]
-        schedule = json.loads((out / "prepared" / "schedule.json").read_text())
-        for update, m in enumerate(metrics):
-            tokens = sum(len(prepared[i]["input_ids"]) for i in schedule[update])
-            assert [sum(layer) for layer in m["expert_load"]] == [tokens] * 2, (name, update)
-        print(f"{name}: expert load per update, layer 0: {[m['expert_load'][0] for m in metrics]}")
+        loads = loads_and_tokens(out)
+        for update, (load, tokens) in enumerate(loads):
+            assert [sum(layer) for layer in load] == [tokens] * 2, (name, update)
+        print(f"{name}: expert load per update, layer 0: {[load[0] for load, _ in loads]}")
