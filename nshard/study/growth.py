@@ -137,11 +137,11 @@ def family_counts(case_ids) -> dict[str, int]:
 def declare_screen(plan: Plan, sets: dict, note) -> dict | None:
     """The growth screen's declaration (nshard/analysis/growth.py screen_declaration) at the fresh cases the plan
     draws, said before either arm trains; GrowthError, naming the keys and the cases needed, when a declared screen
-    falls short of its power. None when the plan declares no advantage and no first-cohort sub-screen."""
+    falls short of its power. None when the plan declares no advantage, sub-screen or family weights."""
     from nshard.analysis.growth import declaration_lines, screen_declaration
 
     g = plan.growth
-    if not (g.min_advantage_points or g.first_cohort_margin_points):
+    if not (g.min_advantage_points or g.first_cohort_margin_points or g.family_weights):
         return None
     try:
         declared = screen_declaration(dataclasses.asdict(g), family_counts(sets["eval_case_ids"]),
