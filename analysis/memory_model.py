@@ -80,6 +80,8 @@ class Shapes:
     """Experts per layer of a sparse (Mixtral) model; 0: dense."""
     top_k: int = 0
     """Experts each token passes through (a sparse model)."""
+    shared_intermediate: int = 0
+    """A shared expert's intermediate size, which every token passes through too (Qwen2-MoE); 0: none."""
 
     @property
     def params(self) -> int:
@@ -174,11 +176,13 @@ def overlap_flat_bytes(shapes: Shapes, c: Config) -> float:
 
 def activation_bytes(shapes: Shapes, tokens: int, bf16: bool, checkpointing: bool = False) -> int:
     """An estimate of the saved activations of one microbatch: ~(10h + 4i) values per token per Llama layer (a sparse
-    layer: 10h + k(4i + 2h) for its k experts per token and the tokens gathered for them), and the logits with their
+    layer: 10h + k(4i + 2h) for its k experts per token and the tokens gathered for them, plus 4i for a shared
+    expert), and the logits with their
     log-softmax and gradient (3V per token, fp32 in the loss). Attention through torch's SDPA (flash or
     memory-efficient kernels) keeps no tokens x tokens matrix. With activation checkpointing each layer keeps only its
     input (h per token) and one layer at a time is recomputed whole in the backward."""
-    mlp = shapes.top_k * (4 * shapes.intermediate + 2 * shapes.hidden) if shapes.experts else 4 * shapes.intermediate
+    mlp = (shapes.top_k * (4 * shapes.intermediate + 2 * shapes.hidden) + 4 * shapes.shared_intermediate
+           if shapes.experts else 4 * shapes.intermediate)
     layer = 10 * shapes.hidden + mlp
     kept = shapes.layers * shapes.hidden + layer if checkpointing else shapes.layers * layer
     return tokens * (kept * (2 if bf16 else 4) + 3 * shapes.vocab * 4)
@@ -331,20 +335,36 @@ def llama_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def mixtral_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """MixtralForCausalLM's parameter shapes (transformers 5: fused experts [E, 2I, H] and [E, H, I], a router)."""
-    h, i, e = config["hidden_size"], config["intermediate_size"], config["num_local_experts"]
+def sparse_shapes(config: dict, mlp: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """llama_shapes with each layer's MLP replaced by a sparse block's parameters (name under `mlp.` -> shape)."""
     shapes = llama_shapes(config)
     for layer in range(config["num_hidden_layers"]):
         p = f"model.layers.{layer}.mlp."
         for name in ("gate_proj", "up_proj", "down_proj"):
             del shapes[p + name + ".weight"]
-        shapes.update({p + "gate.weight": (e, h), p + "experts.gate_up_proj": (e, 2 * i, h),
-                       p + "experts.down_proj": (e, h, i)})
+        shapes.update({p + name: shape for name, shape in mlp.items()})
     return shapes
 
 
-ARCHITECTURES = {"llama": llama_shapes, "mixtral": mixtral_shapes}
+def mixtral_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """MixtralForCausalLM's parameter shapes (transformers 5: fused experts [E, 2I, H] and [E, H, I], a router)."""
+    h, i, e = config["hidden_size"], config["intermediate_size"], config["num_local_experts"]
+    return sparse_shapes(config, {"gate.weight": (e, h), "experts.gate_up_proj": (e, 2 * i, h),
+                                  "experts.down_proj": (e, h, i)})
+
+
+def qwen2_moe_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Qwen2MoeForCausalLM's parameter shapes as nshard/grow.py grows it (every layer sparse, no q/k/v bias): a
+    router, fused routed experts [E, 2I_e, H] and [E, H, I_e], a shared expert and its [1, H] sigmoid gate."""
+    h, e = config["hidden_size"], config["num_experts"]
+    ie, si = config["moe_intermediate_size"], config["shared_expert_intermediate_size"]
+    return sparse_shapes(config, {"gate.weight": (e, h), "experts.gate_up_proj": (e, 2 * ie, h),
+                                  "experts.down_proj": (e, h, ie), "shared_expert.gate_proj.weight": (si, h),
+                                  "shared_expert.up_proj.weight": (si, h), "shared_expert.down_proj.weight": (h, si),
+                                  "shared_expert_gate.weight": (1, h)})
+
+
+ARCHITECTURES = {"llama": llama_shapes, "mixtral": mixtral_shapes, "qwen2_moe": qwen2_moe_shapes}
 
 
 def config_shapes(config: dict, shapes: dict[str, tuple[int, ...]] | None = None) -> Shapes:
@@ -357,10 +377,13 @@ def config_shapes(config: dict, shapes: dict[str, tuple[int, ...]] | None = None
                              f"{', '.join(ARCHITECTURES)} only; give the parameter shapes (the trainer builds them on "
                              "the meta device)")
         shapes = ARCHITECTURES[kind](config)
-    experts = config.get("num_local_experts", 0) if config.get("model_type") == "mixtral" else 0
+    kind = config.get("model_type")
+    experts = config.get({"mixtral": "num_local_experts", "qwen2_moe": "num_experts"}.get(kind, ""), 0)
+    qwen = kind == "qwen2_moe"
     return Shapes(shapes, config.get("num_hidden_layers", 0), config.get("hidden_size", 0),
-                  config.get("intermediate_size", 0), config.get("vocab_size", 0), experts,
-                  config.get("num_experts_per_tok", 0) if experts else 0)
+                  config.get("moe_intermediate_size" if qwen else "intermediate_size", 0), config.get("vocab_size", 0),
+                  experts, config.get("num_experts_per_tok", 0) if experts else 0,
+                  config.get("shared_expert_intermediate_size", 0) if qwen else 0)
 
 
 def model_shapes(model_dir: Path) -> Shapes:
@@ -579,8 +602,18 @@ def spec_config(spec: str) -> dict:
                      "hub id in the Hugging Face cache); give its directory")
 
 
-def grown_config(config: dict, experts: int, top_k: int) -> dict:
-    """The Mixtral config nshard/grow.py makes of a Llama config (E experts per layer, top-k routing)."""
+def grown_config(config: dict, experts: int, top_k: int, architecture: str = "mixtral", expert_size: int = 0) -> dict:
+    """The config nshard/grow.py makes of a Llama config (E experts per layer, top-k routing): a Mixtral, or a
+    Qwen2-MoE whose shared expert is the MLP's size and whose routed experts are expert_size (0: the MLP's)."""
+    if config.get("model_type") in ("mixtral", "qwen2_moe"):  # a grown config, smaller: keep its design
+        architecture = config["model_type"]
+        expert_size = config.get("moe_intermediate_size", 0)
+        config = {**config, "intermediate_size": config.get("shared_expert_intermediate_size",
+                                                            config["intermediate_size"])}
+    if architecture == "qwen2_moe":
+        i = config["intermediate_size"]
+        return {**config, "model_type": "qwen2_moe", "num_experts": experts, "num_experts_per_tok": top_k,
+                "moe_intermediate_size": expert_size or i, "shared_expert_intermediate_size": i}
     return {**config, "model_type": "mixtral", "num_local_experts": experts, "num_experts_per_tok": top_k}
 
 
@@ -739,7 +772,10 @@ def plan_peak(plan, ds_config: dict, world_size: int, device=None, *, model_dir=
     else:
         config = spec_config(spec or plan.model.spec)
     if grown:
-        config, shapes = grown_config(config, plan.growth.experts, plan.growth.top_k), None
+        g = plan.growth
+        config = grown_config(config, g.experts, g.top_k, getattr(g, "architecture", "mixtral"),
+                              getattr(g, "expert_size", 0))
+        shapes = None
     model = config_shapes(config, shapes)
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
     if stage == 3:

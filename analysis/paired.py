@@ -53,11 +53,21 @@ def cases_for_one_loss(margin_points: float, confidence: float) -> int:
 def equal_pass_probability(n: int, discordance: float, margin_points: float, confidence: float) -> float:
     """The probability that a candidate equal to its control passes the paired screen (lower bound > margin) on
     n cases, when each case is discordant with probability `discordance` and a discordant case is a win or a loss
-    with probability 1/2 each: the screen's power against the declared margin, before any case is drawn.
+    with probability 1/2 each: the screen's power against the declared margin, before any case is drawn
+    (pass_probability at no advantage)."""
+    return pass_probability(n, discordance, margin_points, confidence)
+
+
+def pass_probability(n: int, discordance: float, margin_points: float, confidence: float,
+                     advantage_points: float = 0.0) -> float:
+    """The probability that the paired screen passes (lower bound > margin) on n cases when the candidate's true
+    advantage is `advantage_points`: each case is discordant with probability q = `discordance`, and a discordant
+    case is a win with probability (q + d) / 2q (d the advantage as a fraction), so the expected difference is d.
+    At d = 0 this is an equal candidate's pass rate; at d > 0 with margin 0, a superiority screen's power.
 
     With D discordant cases, W of them wins and L = D − W losses, the per-case differences are +1 (W times), −1
     (L times) and 0, so mean = (W − L)/n, s² = (D − n·mean²)/(n − 1) and the lower bound is mean − z·s/√n
-    (mean_interval's). D ~ Binomial(n, discordance), W | D ~ Binomial(D, 1/2); the sum runs over every (D, W) whose
+    (mean_interval's). D ~ Binomial(n, q), W | D ~ Binomial(D, (q + d)/2q); the sum runs over every (D, W) whose
     probability is not negligible (each D below 1e-18 is left out)."""
     import numpy as np
     from scipy.stats import binom
@@ -66,6 +76,10 @@ def equal_pass_probability(n: int, discordance: float, margin_points: float, con
         raise ValueError(f"n={n}: a paired bound needs at least 2 cases")
     if not 0.0 <= discordance <= 1.0:
         raise ValueError(f"discordance={discordance} must lie in [0, 1]")
+    if not 0.0 <= advantage_points / 100 <= discordance:
+        raise ValueError(f"advantage {advantage_points} points at discordance {discordance}: an advantage lies in "
+                         f"[0, 100 x discordance] (every discordant case a win at most)")
+    win = 0.5 + advantage_points / 100 / (2 * discordance) if discordance else 0.5
     z = two_sided_z(confidence)
     d = np.arange(n + 1)
     p_d = binom.pmf(d, n, discordance)
@@ -73,7 +87,7 @@ def equal_pass_probability(n: int, discordance: float, margin_points: float, con
     total = 0.0
     for discordant, weight in zip(d[keep], p_d[keep]):
         wins = np.arange(discordant + 1)
-        p_w = binom.pmf(wins, discordant, 0.5)
+        p_w = binom.pmf(wins, discordant, win)
         mean = (2 * wins - discordant) / n
         var = np.maximum(discordant - n * mean ** 2, 0.0) / (n - 1)
         lower = mean - z * np.sqrt(var) / math.sqrt(n)
@@ -82,13 +96,13 @@ def equal_pass_probability(n: int, discordance: float, margin_points: float, con
 
 
 def cases_for_power(discordance: float, margin_points: float, confidence: float, target: float = 0.90,
-                    at_least: int = 2) -> int:
-    """The fewest cases, from `at_least` up (a screen's declared n), at which a candidate equal to its control passes
-    with at least `target` probability: doubling, then bisection. The probability rises with n once discordant cases
-    are expected at all (at a handful of cases, none discordant, a zero-width interval passes), up to the small
-    steps of a discrete count."""
+                    at_least: int = 2, advantage_points: float = 0.0) -> int:
+    """The fewest cases, from `at_least` up (a screen's declared n), at which the screen passes with at least `target`
+    probability for a candidate `advantage_points` ahead (0: equal to its control): doubling, then bisection. The
+    probability rises with n once discordant cases are expected at all (at a handful of cases, none discordant, a
+    zero-width interval passes), up to the small steps of a discrete count."""
     def reaches(n: int) -> bool:
-        return equal_pass_probability(n, discordance, margin_points, confidence) >= target
+        return pass_probability(n, discordance, margin_points, confidence, advantage_points) >= target
 
     low = max(at_least, 2)
     if discordance <= 0 or reaches(low):

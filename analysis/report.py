@@ -21,7 +21,8 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
-from nshard.analysis.growth import growth_table, read_serving
+from nshard.analysis import growth as growth_mod
+from nshard.analysis.growth import declaration_lines, growth_table, read_serving
 from nshard.cli import SPELLING_NOTE, ArgumentParser, prog
 from nshard.analysis.paired import PairingError, cases_for_one_loss, declared_power, mean_interval, paired_bounds
 from nshard.analysis.validated import NotValidated, check_validated
@@ -429,27 +430,45 @@ def cohort_screen(candidate: dict, rows: list[dict], seed_rows: list[dict], firs
 
 
 def growth_screen(candidate: dict, comparisons: list[dict], cohort_quality: dict, screens: dict,
-                  growth: dict) -> dict:
+                  growth: dict, case_rows: dict[str, list[dict]] | None = None) -> dict:
     """A growth study's quality screen, declared in the plan before either arm runs: a quality advantage over every
     continued-dense arm (the paired lower bound on all fresh cases above screens.min_growth_paired_lower_points;
-    0: more parameters alone do not pass), and the cohort screen's first-cohort and retention conditions against
-    the accepted checkpoint (its new-task gain is reported, not screened)."""
+    0: more parameters alone do not pass; family-stratified with growth.family_weights where declared), and the
+    cohort screen's first-cohort and retention conditions against the accepted checkpoint (its new-task gain is
+    reported, not screened). A declared first-cohort sub-screen (growth.first_cohort_margin_points) pairs the first
+    cohort's cases against continued dense instead of against the accepted checkpoint."""
     if candidate["status"] != "complete":
         return cohort_quality
     conf = f"{screens['confidence']:.0%}"
     paired = {c["control"]: c for c in comparisons}
-    conds = []
+    declared = growth.get("screen") or {}
+    rows = case_rows or {}
+    screening = cohort_quality.get("first_cohort_screening") or {}
+    conds, stratified, first_vs_dense = [], {}, {}
     for name in (n for n, arm in growth["arms"].items() if not arm["grown"]):
-        if name in paired:
-            conds.append(condition(f"paired {conf} lower bound vs {name} (continued dense), points",
-                                   paired[name]["lower_points"], screens["min_growth_paired_lower_points"], ">"))
-        else:
+        if name not in paired:
             conds.append({"name": f"paired lower bound vs {name} (continued dense)", "value": None, "passed": False,
                           "rule": "the continued-dense arm must finish"})
-    conds += [c for c in cohort_quality["conditions"] if not c["name"].startswith("new-task accuracy gain")]
+            continue
+        bound, label = paired[name], f"paired {conf} lower bound vs {name} (continued dense), points"
+        if declared.get("family_weights"):
+            bound = stratified[name] = growth_mod.advantage_bounds(rows[candidate["name"]], rows[name],
+                                                                   declared["family_weights"], screens["confidence"])
+            label = f"family-stratified paired {conf} lower bound vs {name} (continued dense), points"
+        conds.append(condition(label, bound["lower_points"], screens["min_growth_paired_lower_points"], ">"))
+        if declared.get("first_cohort"):
+            first_vs_dense[name] = growth_mod.first_cohort_bounds(rows[candidate["name"]], rows[name],
+                                                                  screening.get("families", []), screens["confidence"])
+            conds.append(condition(f"first-cohort paired {conf} lower bound vs {name} (continued dense), points",
+                                   first_vs_dense[name]["lower_points"], declared["first_cohort"]["margin_points"], ">"))
+    kept = [c for c in cohort_quality["conditions"] if not c["name"].startswith("new-task accuracy gain")
+            and not (declared.get("first_cohort") and c["name"].startswith("first-cohort"))]
+    conds += kept
     return {"passed": all(c["passed"] for c in conds), "conditions": conds,
             "first_cohort_paired": cohort_quality.get("first_cohort_paired"),
-            "first_cohort_screening": cohort_quality.get("first_cohort_screening")}
+            "first_cohort_screening": cohort_quality.get("first_cohort_screening"),
+            **({"declared": declared, "stratified": stratified, "first_cohort_vs_dense": first_vs_dense}
+               if declared else {})}
 
 
 # ---------------------------------------------------------------- assembling
@@ -609,13 +628,16 @@ def analyze(study_dir: Path) -> dict:
         if screening:
             quality["first_cohort_screening"] = screening
         if study.get("growth"):
-            quality = growth_screen(candidate, comparisons, quality, screens, study["growth"])
+            quality = growth_screen(candidate, comparisons, quality, screens, study["growth"], case_rows)
     else:
         quality = quality_screen(candidate, seed, comparisons, failed_controls, screens, heldout_pairs)
     # A growth study's grown-against-dense screen asks for an advantage, not parity (an equal candidate should not
     # pass it): only its first-cohort screen, a parity screen against the accepted checkpoint, has a declared power.
+    # A declared growth screen (growth.first_cohort_margin_points) pairs the first cohort against continued dense: its
+    # power is the declaration's, printed in the growth section.
+    replaced = ((study.get("growth") or {}).get("screen") or {}).get("first_cohort")
     powers = power_of_comparisons([] if study.get("growth") else comparisons,
-                                  quality.get("first_cohort_paired") if cohort else None, screens)
+                                  quality.get("first_cohort_paired") if cohort and not replaced else None, screens)
     speed = speed_screen(arms, study["candidate"], study["speed_baseline"], screens, study.get("placement"))
     if study.get("growth"):  # the arms share a FLOPs budget, not a schedule: their times are reported, not screened
         speed = {**speed, "passed": None, "comparable": False,
@@ -954,6 +976,9 @@ def render_report(results: dict) -> str:
                   *power_lines(results["declared_power"]), ""]
     if results.get("growth"):
         lines += ["## Growth", "", growth_table(results), ""]
+        if (results["growth"].get("screen")):
+            lines += ["The growth screen as declared before any case was drawn:", "",
+                      *declaration_lines(results["growth"]["screen"]), ""]
     verdict = "NOT COMPARABLE" if s["passed"] is None else "PASSED" if s["passed"] else "FAILED"
     lines += ["## Execution", "", execution_table(results), ""]
     if any((a.get("execution") or {}).get("failed_attempts") or a.get("recovery") for a in results["arms"]):

@@ -1,12 +1,16 @@
-"""Sparse upcycling (`python -m nshard.grow`): a Llama export becomes a Mixtral-style model whose E experts per
-layer are copies of that layer's MLP, with a seeded top-k router, sealed with its own manifest and provenance.
+"""Growth (`python -m nshard.grow`): a Llama export grown into a sparse model transformers ships, sealed with its own
+manifest and provenance. Two designs (docs/growth.md#upcycling):
+- `--architecture qwen2_moe`: Qwen2-MoE, the accepted MLP kept as the shared expert, E new routed experts (zero down
+  projections) and a router whose un-renormalized top-k probabilities scale them, so the task loss trains it;
+- `--architecture mixtral` (the default, the first design): E copies of each MLP behind a top-k router that
+  renormalizes the chosen weights, so at top 1 its router learns from the load-balancing loss alone.
 
-    python -m nshard.grow --from SOURCE --out DIR [--experts 4] [--top_k 2] [--seed 0] [--router_std 0.02] [--aux_coef 0.01]
+    python -m nshard.grow --from SOURCE --out DIR [--architecture mixtral] [--experts 4] [--top_k 2] [--seed 0]
+        [--router_std 0.02] [--aux_coef 0.01] [--expert_size 0] [--freeze none]
 
 SOURCE is an accepted study (its candidate's export, checked as a second cohort checks it) or an nshard run
-directory (its model/ and run.json). Identical experts make every routing give the dense MLP's output, since
-transformers' Mixtral router renormalizes the top-k weights to sum 1: the grown model's logits equal the dense
-model's up to fp32 rounding (tests/test_grow.py checks it in a process that never imports nshard).
+directory (its model/ and run.json). Either design's logits equal the dense model's up to fp32 rounding before
+training (tests/test_grow.py checks both in a process that never imports nshard).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from nshard.evidence.export import GROWN, MANIFEST, ManifestError, verify_manife
 from nshard.files import file_sha256, staged_dir
 from nshard.run.plan import upcycling_problem
 from nshard.run.receipts import parameter_root
-from nshard.run.upcycle import upcycled_state
+from nshard.run.upcycle import FREEZE, shared_expert_state, upcycled_state
 
 CARRIED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
            "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
@@ -33,7 +37,9 @@ CARRIED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"
            "initializer_range", "rope_parameters")
 """The Llama settings a Mixtral config takes over unchanged."""
 REFUSED = {"attention_bias": False, "mlp_bias": False}
-"""Llama settings Mixtral cannot express: a source with another value is refused."""
+"""Llama settings neither design can express (Mixtral has no biases, Qwen2-MoE no output or MLP bias): a source
+with another value is refused."""
+ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
 class GrowError(ValueError):
@@ -48,12 +54,27 @@ class Growth:
     router_std: float = 0.02
     aux_coef: float = 0.01
     """router_aux_loss_coef of the grown config: the weight of the load-balancing loss nshard adds in training."""
+    architecture: str = "mixtral"
+    """"mixtral" (copies, renormalized top-k) or "qwen2_moe" (shared expert, new routed experts, learned router)."""
+    expert_size: int = 0
+    """qwen2_moe: each routed expert's intermediate size; 0: the MLP's."""
+    freeze: str = "none"
+    """qwen2_moe: what training keeps fixed (nshard/run/upcycle.py FREEZE)."""
 
     def check(self) -> None:
         problem = upcycling_problem(**self.__dict__)
         if problem:
             key, text = problem
             raise GrowError(f"--{key} {getattr(self, key)}: {text}")
+
+    def record(self) -> dict:
+        """The settings as the manifest records them: a mixtral growth's as before qwen2_moe existed, so an earlier
+        grown export still matches the plan that made it."""
+        return ({k: v for k, v in self.__dict__.items() if k in LEGACY} if self.architecture == "mixtral"
+                else dict(self.__dict__))
+
+
+LEGACY = ("experts", "top_k", "seed", "router_std", "aux_coef")
 
 
 def source_export(source: Path) -> tuple[Path, dict]:
@@ -85,19 +106,37 @@ def source_export(source: Path) -> tuple[Path, dict]:
                               "parameter_root": manifest["parameter_root"]}
 
 
-def mixtral_config(llama, growth: Growth):
-    from transformers import MixtralConfig
-
+def carried_settings(llama) -> dict:
+    """The Llama settings a grown config takes over; a Llama with a bias neither design has is refused."""
     if llama.model_type != "llama":
         raise GrowError(f"the source export is a {llama.model_type!r} model; nshard.grow upcycles Llama models")
     for key, wanted in REFUSED.items():
         if getattr(llama, key, wanted) != wanted:
-            raise GrowError(f"the source config has {key}={getattr(llama, key)!r}; Mixtral has no such bias, so it "
-                            "cannot be upcycled exactly")
-    carried = {key: getattr(llama, key) for key in CARRIED if getattr(llama, key, None) is not None}
-    return MixtralConfig(**carried, num_local_experts=growth.experts, num_experts_per_tok=growth.top_k,
+            raise GrowError(f"the source config has {key}={getattr(llama, key)!r}; the grown model has no such "
+                            "bias, so it cannot be upcycled exactly")
+    return {key: getattr(llama, key) for key in CARRIED if getattr(llama, key, None) is not None}
+
+
+def mixtral_config(llama, growth: Growth):
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**carried_settings(llama), num_local_experts=growth.experts, num_experts_per_tok=growth.top_k,
                          router_jitter_noise=0.0, output_router_logits=False, sliding_window=None,
                          router_aux_loss_coef=growth.aux_coef)
+
+
+def qwen2_moe_config(llama, growth: Growth):
+    """Qwen2-MoE with every layer sparse (decoder_sparse_step 1, no mlp_only_layers), no q/k/v bias (Llama has none),
+    Llama's RoPE, norms and tied embeddings, the shared expert the MLP's size, and norm_topk_prob = false: the
+    router's top-k probabilities scale the experts as they are."""
+    from transformers import Qwen2MoeConfig
+
+    carried = carried_settings(llama)
+    size = growth.expert_size or carried["intermediate_size"]
+    return Qwen2MoeConfig(**carried, num_experts=growth.experts, num_experts_per_tok=growth.top_k,
+                          moe_intermediate_size=size, shared_expert_intermediate_size=carried["intermediate_size"],
+                          norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=False,
+                          use_sliding_window=False, output_router_logits=False, router_aux_loss_coef=growth.aux_coef)
 
 
 def upcycle(model_dir: Path, growth: Growth):
@@ -105,24 +144,30 @@ def upcycle(model_dir: Path, growth: Growth):
     weights are stored in: a bf16-trained export grows into bf16 tensors, so the trainer, which computes in the
     candidate's precision, holds exactly the grown weights and their parameter root (an fp32 router would be
     rounded when a bf16 engine takes the model, and the root the arm checks would differ)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, MixtralForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     growth.check()
     llama_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    config = mixtral_config(llama_config, growth)
+    qwen = growth.architecture == "qwen2_moe"
+    config = (qwen2_moe_config if qwen else mixtral_config)(llama_config, growth)
     dtype = stored_dtype(model_dir)
     dense = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
     tensors = dict(dense.state_dict())
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    state = upcycled_state(tensors, config.num_hidden_layers, growth, config.hidden_size)
+    if qwen:
+        state = shared_expert_state(tensors, config.num_hidden_layers, growth, config.hidden_size,
+                                    config.moe_intermediate_size)
+    else:
+        state = upcycled_state(tensors, config.num_hidden_layers, growth, config.hidden_size)
     torch.manual_seed(growth.seed)  # transformers' own init of the tensors load_state_dict then replaces
-    grown = MixtralForCausalLM(config).to(dtype)
+    grown = AutoModelForCausalLM.from_config(config).to(dtype)
     missing, unexpected = grown.load_state_dict(state, strict=False)
     allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if unexpected or set(missing) - allowed_missing:
-        raise GrowError(f"{model_dir}: the upcycled tensors do not fit Mixtral (missing {sorted(missing)[:3]}, "
-                        f"unexpected {sorted(unexpected)[:3]}); is the source a plain Llama export?")
+        raise GrowError(f"{model_dir}: the upcycled tensors do not fit {type(grown).__name__} (missing "
+                        f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}); is the source a plain Llama "
+                        "export?")
     if config.tie_word_embeddings:
         grown.tie_weights()
     return grown.eval(), AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -141,16 +186,18 @@ def stored_dtype(model_dir: Path) -> torch.dtype:
 
 
 def parameter_counts(model, growth: Growth) -> dict:
-    """All parameters, the experts' share, and those one token passes through (top_k of E experts per layer, the
-    routers left out as nshard.run.budget counts them): the count a FLOPs budget (about 6 x active parameters per
-    trained token) prices a token at."""
-    from nshard.run.budget import router_parameters
+    """All parameters, the routed experts' share, the routers', those one token passes through (top_k of E routed
+    experts per layer, the routers and any shared expert included), and (qwen2_moe) those of them `growth.freeze`
+    keeps fixed: what a FLOPs budget prices a token at (nshard/run/budget.py HOW)."""
+    from nshard.run.budget import parameter_cost, router_parameters
+    from nshard.run.upcycle import frozen_names
 
-    total = sum(p.numel() for p in model.parameters())
-    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
-    routers = router_parameters(model)
-    return {"parameters": total, "expert_parameters": experts, "router_parameters": routers,
-            "active_parameters_per_token": total - experts + experts * growth.top_k // growth.experts - routers}
+    frozen = set(frozen_names([n for n, _ in model.named_parameters()], growth.freeze))
+    active, frozen_active = parameter_cost(model, frozen)
+    return {"parameters": sum(p.numel() for p in model.parameters()),
+            "expert_parameters": sum(p.numel() for name, p in model.named_parameters() if ".experts." in name),
+            "router_parameters": router_parameters(model), "active_parameters_per_token": active,
+            **({"frozen_active_parameters_per_token": frozen_active} if growth.architecture != "mixtral" else {})}
 
 
 def grow(source: Path, out: Path, growth: Growth) -> dict:
@@ -162,15 +209,14 @@ def grow(source: Path, out: Path, growth: Growth) -> dict:
     source_manifest = verify_manifest(model_dir)
     grown, tokenizer = upcycle(model_dir, growth)
     root = parameter_root(grown.named_parameters())
-    record = {"method": "sparse upcycling: every MLP copied into each expert, seeded top-k router",
-              "growth": growth.__dict__, "source": {
+    record = {"method": METHODS[growth.architecture], "growth": growth.record(), "source": {
                   **provenance, "model_dir": str(Path(model_dir).resolve()),
                   "manifest_sha256": file_sha256(Path(model_dir) / MANIFEST),
                   "model_files_sha256": files_sha256(model_files(model_dir)),
                   "parameter_root": source_manifest["parameter_root"],
                   "plan_sha256": source_manifest.get("plan_sha256"),
                   "prepared_identity": source_manifest.get("prepared_identity")},
-              "architecture": "MixtralForCausalLM", **parameter_counts(grown, growth),
+              "architecture": ARCHITECTURES[growth.architecture], **parameter_counts(grown, growth),
               "aux_loss": {"router_aux_loss_coef": growth.aux_coef,
                            "how": "nshard adds a per-document load-balancing loss (nshard/run/experts.py) in training"}}
     with staged_dir(out, "grow") as tmp:
@@ -180,6 +226,12 @@ def grow(source: Path, out: Path, growth: Growth) -> dict:
         manifest = write_manifest(tmp, parameter_root=root, plan_sha256=None, ds_config_sha256=None,
                                   prepared_identity=None, grown=record)
     return manifest
+
+
+METHODS = {"mixtral": "sparse upcycling: every MLP copied into each expert, seeded top-k router",
+           "qwen2_moe": ("shared-expert growth: every MLP kept as the shared expert (down projection x2 behind a zero "
+                         "sigmoid gate), new routed experts with zero down projections, seeded top-k router whose "
+                         "probabilities scale them (norm_topk_prob false)")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,13 +248,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--router_std", type=float, default=Growth.router_std)
     parser.add_argument("--aux_coef", type=float, default=Growth.aux_coef,
                         help="router_aux_loss_coef: the load-balancing loss's weight in training (0: none)")
+    parser.add_argument("--architecture", default=Growth.architecture, choices=sorted(ARCHITECTURES),
+                        help="qwen2_moe: shared expert + routed experts, a router the task trains; mixtral: copies")
+    parser.add_argument("--expert_size", type=int, default=Growth.expert_size,
+                        help="qwen2_moe: each routed expert's intermediate size (0: the MLP's)")
+    parser.add_argument("--freeze", default=Growth.freeze, choices=FREEZE,
+                        help="qwen2_moe: what training keeps fixed: none, shared (the shared expert and its gate), "
+                             "accepted (every weight carried from the source)")
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        manifest = grow(args.source, args.out, Growth(args.experts, args.top_k, args.seed, args.router_std, args.aux_coef))
+        manifest = grow(args.source, args.out, Growth(args.experts, args.top_k, args.seed, args.router_std, args.aux_coef,
+                                                      args.architecture, args.expert_size, args.freeze))
     except GrowError as exc:
         print(f"nshard.grow: {exc}", file=sys.stderr)
         return 2

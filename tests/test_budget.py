@@ -48,11 +48,45 @@ def test_active_parameters_leave_out_the_experts_a_token_does_not_reach():
     mlp = 2 * 3 * 16 * 24
     assert budget_mod.active_parameters(dense) == sum(p.numel() for p in dense.parameters())
     total = sum(p.numel() for p in sparse.parameters())
-    routers = 2 * 4 * 16  # a 4 x 16 router per layer, left out as the budget states
-    assert budget_mod.active_parameters(sparse) == total - 4 * mlp + 2 * mlp - routers
-    with torch.device("meta"):  # top-1: exactly the dense model's cost per token
+    routers = 2 * 4 * 16  # a 4 x 16 router per layer: every token passes through it, so it is counted
+    assert budget_mod.router_parameters(sparse) == routers
+    assert budget_mod.active_parameters(sparse) == total - 4 * mlp + 2 * mlp
+    with torch.device("meta"):  # top-1: the dense model's cost per token and its routers'
         top1 = MixtralForCausalLM(MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=1))
-    assert budget_mod.active_parameters(top1) == budget_mod.active_parameters(dense)
+    assert budget_mod.active_parameters(top1) == budget_mod.active_parameters(dense) + routers
+
+
+def test_a_frozen_weight_costs_its_forward_and_the_backward_through_it_not_its_gradient():
+    """HOW, on a Qwen2-MoE grown with the shared expert frozen: 6 FLOPs per token per trained parameter a token
+    passes through (the routers, the shared expert's gate, top_k of the routed experts), 4 per frozen one (the
+    shared expert: its forward and the activations' gradient through it)."""
+    import torch
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from nshard.run.upcycle import freeze
+
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, qkv_bias=False, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**small, num_experts=4, num_experts_per_tok=2,
+                                                   moe_intermediate_size=8, shared_expert_intermediate_size=24))
+    mlp, routed, routers, gates = 3 * 16 * 24, 3 * 16 * 8, 4 * 16, 16  # per layer
+    total = sum(p.numel() for p in model.parameters())
+    active = total - 2 * 4 * routed + 2 * 2 * routed
+    assert budget_mod.parameter_cost(model) == (active, 0)
+    names = freeze(model, "shared")
+    assert len(names) == 2 * 4 and budget_mod.parameter_cost(model) == (active, 2 * (mlp + gates))
+    assert budget_mod.token_flops(*budget_mod.parameter_cost(model)) == 6 * active - 2 * 2 * (mlp + gates)
+    with torch.device("meta"):
+        model = Qwen2MoeForCausalLM(model.config)
+    freeze(model, "accepted")  # only the routers and the routed experts train
+    assert budget_mod.parameter_cost(model) == (active, active - 2 * (2 * routed + routers))
+
+
+def test_a_control_is_never_given_less_than_the_candidate():
+    arms = {"dense": {"grown": False, "train_flops": 90}, "grown": {"grown": True, "train_flops": 100}}
+    assert budget_mod.controls_short(arms) == ["dense"]
+    assert budget_mod.controls_short({**arms, "dense": {"grown": False, "train_flops": 100}}) == []
 
 
 GROWTH = {"cohort": {"from": "runs/x", "start": "weights"}, "growth": {"budget": "train_flops"},

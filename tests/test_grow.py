@@ -1,5 +1,6 @@
-"""Sparse upcycling (nshard/grow.py): a trained tiny Llama export grown into a Mixtral whose logits equal the dense
-model's, loaded by plain transformers in a process that never imports nshard, sealed with its own provenance."""
+"""Growth (nshard/grow.py): a trained tiny Llama export grown into a Mixtral (the first design) or a Qwen2-MoE (a
+shared expert and a router the task trains), each with logits equal to the dense model's, loaded by plain
+transformers in a process that never imports nshard, sealed with its own provenance."""
 
 import json
 import os
@@ -55,12 +56,17 @@ torch.save(out, sys.argv[3])
 """
 
 
-def test_grown_logits_equal_the_dense_model_in_plain_transformers(dense, grown, tmp_path):
+def plain_pair(dense_model, grown_dir, tmp_path) -> dict:
+    """Both models' logits, computed by plain transformers in a process that never imports nshard."""
     out = tmp_path / "logits.pt"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    subprocess.run([sys.executable, "-c", PLAIN_PAIR, str(dense / "model"), str(grown), str(out)], cwd=tmp_path,
+    subprocess.run([sys.executable, "-c", PLAIN_PAIR, str(dense_model), str(grown_dir), str(out)], cwd=tmp_path,
                    check=True, env={**env, "HF_HUB_OFFLINE": "1"}, timeout=300)
-    got = torch.load(out)
+    return torch.load(out)
+
+
+def test_grown_logits_equal_the_dense_model_in_plain_transformers(dense, grown, tmp_path):
+    got = plain_pair(dense / "model", grown, tmp_path)
     assert (got["dense_class"], got["grown_class"]) == ("LlamaForCausalLM", "MixtralForCausalLM")
     assert got["fused"] == ((4, 256, 64), (4, 64, 128))
     assert len(got["routed"]) > 1, got["routed"]
@@ -88,7 +94,7 @@ def test_grown_export_has_its_own_manifest_naming_the_source_and_its_record(dens
     routers = 2 * 4 * 64
     assert manifest["grown"]["parameters"] == dense_count + 3 * mlp + routers
     assert manifest["grown"]["router_parameters"] == routers
-    assert manifest["grown"]["active_parameters_per_token"] == dense_count + mlp  # the routers left out
+    assert manifest["grown"]["active_parameters_per_token"] == dense_count + mlp + routers  # every token routed
 
 
 def test_the_router_seed_is_the_only_difference_between_two_growths(dense, grown, tmp_path):
@@ -105,7 +111,10 @@ def test_the_router_seed_is_the_only_difference_between_two_growths(dense, grown
 
 @pytest.mark.parametrize("args, names", [(["--experts", "4", "--top_k", "5"], "--top_k 5"),
                                          (["--experts", "1"], "--experts 1"),
-                                         (["--router_std", "0"], "--router_std 0")])
+                                         (["--router_std", "0"], "--router_std 0"),
+                                         (["--freeze", "shared"], "--freeze shared"),
+                                         (["--expert_size", "32"], "--expert_size 32"),
+                                         (["--architecture", "qwen2_moe", "--expert_size", "-1"], "--expert_size -1")])
 def test_bad_settings_are_refused_by_name(dense, tmp_path, args, names):
     proc = grow(dense, tmp_path / "bad", *args, check=False)
     assert proc.returncode == 2 and names in proc.stderr, proc.stderr
@@ -142,3 +151,45 @@ def test_a_bf16_export_grows_in_bf16_so_a_bf16_engine_holds_the_grown_root(tmp_p
     fp32, _ = upcycle(tiny.path, Growth(experts=4, top_k=2, seed=3))
     router = "model.layers.0.mlp.gate.weight"
     assert torch.equal(dict(grown.named_parameters())[router], dict(fp32.named_parameters())[router].bfloat16())
+
+
+@pytest.fixture(scope="module")
+def grown_qwen(dense, tmp_path_factory):
+    out = tmp_path_factory.mktemp("grow-qwen") / "grown"
+    grow(dense, out, "--architecture", "qwen2_moe", "--experts", "4", "--top_k", "1", "--expert_size", "32",
+         "--freeze", "shared", "--seed", "3")
+    return out
+
+
+def test_a_qwen2_moe_growth_loads_in_plain_transformers_and_computes_the_dense_model(dense, grown_qwen, tmp_path):
+    """The shared-expert design: the export is transformers' own Qwen2MoeForCausalLM (fused routed experts of the
+    declared size), it loads without nshard, and before training its logits are the dense model's."""
+    got = plain_pair(dense / "model", grown_qwen, tmp_path)
+    assert (got["dense_class"], got["grown_class"]) == ("LlamaForCausalLM", "Qwen2MoeForCausalLM")
+    assert got["fused"] == ((4, 64, 64), (4, 64, 32))
+    print(f"qwen2_moe export, plain transformers: largest logit difference "
+          f"{(got['grown'] - got['dense']).abs().max().item():.3g}")
+    torch.testing.assert_close(got["grown"], got["dense"], rtol=0, atol=1e-5)
+
+
+def test_a_qwen2_moe_manifest_records_its_design_and_prices_the_frozen_shared_expert(dense, grown_qwen):
+    """The record names the design and its settings; the budget counts every parameter a token passes through
+    (embeddings, attention, the router, the shared expert and its gate, one routed expert of four) and the frozen
+    shared expert at its forward and the backward through it (nshard/run/budget.py HOW)."""
+    from transformers import AutoModelForCausalLM
+
+    from nshard.run import budget
+
+    manifest = verify_manifest(grown_qwen)["grown"]
+    assert manifest["architecture"] == "Qwen2MoeForCausalLM" and manifest["method"].startswith("shared-expert")
+    assert manifest["growth"] == {"experts": 4, "top_k": 1, "seed": 3, "router_std": 0.02, "aux_coef": 0.01,
+                                  "architecture": "qwen2_moe", "expert_size": 32, "freeze": "shared"}
+    dense_count = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(dense / "model").parameters())
+    mlp, routed, router, gate = 3 * 128 * 64, 3 * 32 * 64, 4 * 64, 64  # per layer, 2 layers
+    assert manifest["parameters"] == dense_count + 2 * (4 * routed + router + gate)
+    assert manifest["active_parameters_per_token"] == dense_count + 2 * (routed + router + gate)
+    assert manifest["frozen_active_parameters_per_token"] == 2 * (mlp + gate)
+    assert budget.declared_freeze(grown_qwen) == "shared"
+    assert budget.model_cost(grown_qwen) == (manifest["active_parameters_per_token"],
+                                             manifest["frozen_active_parameters_per_token"])
+    assert budget.model_cost(dense / "model") == (dense_count, 0)

@@ -102,6 +102,15 @@ def test_zero2_with_delta_sync_trains_the_sparse_model_like_stage_0(arms):
     assert all(len(r["update_delta_gap"]) == UPDATES for r in receipts(arms["zero2-delta"]))
 
 
+def loads_and_tokens(out) -> list[tuple[list[list[int]], int]]:
+    """Each update's expert load (metrics.jsonl) and the document tokens its schedule trained."""
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    prepared = [json.loads(line) for line in (out / "prepared" / "documents.jsonl").read_text().splitlines()]
+    schedule = json.loads((out / "prepared" / "schedule.json").read_text())
+    return [(m["expert_load"], sum(len(prepared[i]["input_ids"]) for i in schedule[update]))
+            for update, m in enumerate(metrics)]
+
+
 def test_expert_receipts_record_load_no_dead_experts_and_identical_routing(arms):
     for name, out in arms.every():
         rs = receipts(out)
@@ -114,13 +123,9 @@ def test_expert_receipts_record_load_no_dead_experts_and_identical_routing(arms)
             assert experts["routing_identical_on_ranks"] and len(r["update_experts"]) == UPDATES
         # The load is the all-rank count, the same in every rank's receipt, and covers every real token twice.
         assert len({json.dumps(r["update_experts"]) for r in rs}) == 1
-        metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        prepared = [json.loads(line) for line in (out / "prepared" / "documents.jsonl").read_text().splitlines()]
-        schedule = json.loads((out / "prepared" / "schedule.json").read_text())
-        for update, m in enumerate(metrics):
-            tokens = sum(len(prepared[i]["input_ids"]) for i in schedule[update])
-            assert [sum(layer) for layer in m["expert_load"]] == [2 * tokens] * 2, (name, update)
-            assert m["expert_load"] == rs[0]["update_experts"][update]["load"]
+        for update, (load, tokens) in enumerate(loads_and_tokens(out)):
+            assert [sum(layer) for layer in load] == [2 * tokens] * 2, (name, update)
+            assert load == rs[0]["update_experts"][update]["load"]
     # One rank and two ranks route the probe of every update the same way (same model within fp32 tolerance).
     digests = {name: [u["probe_routing_sha256"] for u in receipts(out)[0]["update_experts"]]
                for name, out in arms.every()}
@@ -138,3 +143,75 @@ def test_a_killed_sparse_run_resumes_bit_identical(arms, plan, runs_root):
     got, want = final_params(out), final_params(arms["two"])
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert [r["update_experts"] for r in receipts(out)] == [r["update_experts"] for r in receipts(arms["two"])]
+
+
+# ---------------------------------------------------------------- the shared-expert design (qwen2_moe)
+
+QWEN = {"trainable": ("none", config(nshard=POWERSGD)), "frozen": ("shared", config(stage=2, nshard=POWERSGD))}
+"""The tiny Llama grown into a Qwen2-MoE (4 routed experts of 32, top 1, no balancing loss): its shared expert
+trained at stage 0, and frozen at ZeRO-2 (the growth study's pooled path)."""
+
+
+@pytest.fixture(scope="module")
+def qwen(runs_root, tmp_path_factory):
+    """Each design trained on two ranks with PowerSGD: {name: (grown export, run directory)}."""
+    source = cached_run(runs_root, "ds-dense", tiny_config())
+    tmp = tmp_path_factory.mktemp("grown-qwen")
+    out = {}
+    for name, (freeze, ds) in QWEN.items():
+        grown = tmp / f"grown-{name}"
+        grow(source, grown, Growth(experts=4, top_k=1, seed=1, aux_coef=0.0, architecture="qwen2_moe",
+                                   expert_size=32, freeze=freeze))
+        text = (REPO / "launch/plans/tiny.toml").read_text().replace('spec = "tiny"', f'spec = "{grown}"')
+        plan = tmp / f"{name}.toml"
+        plan.write_text(text.replace("updates = 3", f"updates = {UPDATES}"))
+        out[name] = (grown, cached_run(runs_root, f"grown-qwen-{name}", ds, plan=plan))
+    return out
+
+
+def test_the_task_trains_the_qwen2_moe_router_through_nshard_with_the_shared_expert_frozen_or_not(qwen):
+    """No balancing loss: whatever moves the routers is the task. Frozen, the shared expert (the accepted MLP) and
+    its gate leave training bit for bit as grown, PowerSGD holds no error memory for them, and run.json says what
+    was frozen; trainable, they move. Either way the zero down projections and the routers move, every rank ends
+    with the same parameters, and the export is transformers' own Qwen2-MoE."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    moved = {}
+    for name, (grown, out) in qwen.items():
+        before, after = load_file(str(grown / "model.safetensors")), final_params(out)
+        assert before.keys() == after.keys()
+        moved[name] = {k for k in before if not torch.equal(before[k], after[k])}
+        routers = [k for k in before if k.endswith("mlp.gate.weight")]
+        assert len(routers) == 2 and set(routers) <= moved[name], name
+        print(f"{name}: router moved by {max((after[k] - before[k]).abs().max().item() for k in routers):.3g}")
+        assert all(after[k].abs().max() > 0 for k in after if "experts" in k and "down_proj" in k), name
+        rs = receipts(out)
+        assert len({r["parameter_root"] for r in rs}) == 1
+        assert all(r["update_compressed"] == [False] + [True] * (UPDATES - 1) for r in rs), name
+        model = AutoModelForCausalLM.from_pretrained(out / "model")
+        assert type(model).__name__ == "Qwen2MoeForCausalLM" and model.config.norm_topk_prob is False
+    shared = {k for k in final_params(qwen["frozen"][1]) if ".shared_expert" in k}
+    assert len(shared) == 2 * 4 and not shared & moved["frozen"] and shared <= moved["trainable"]
+    frozen_run = json.loads((qwen["frozen"][1] / "run.json").read_text())
+    assert frozen_run["frozen"]["setting"] == "shared" and frozen_run["frozen"]["tensors"] == 8
+    assert json.loads((qwen["trainable"][1] / "run.json").read_text())["frozen"] is None
+    for name, (_, out) in qwen.items():
+        state = torch.load(sorted((out / "state").glob("update-*"))[-1] / "rank-0.pt", weights_only=False)
+        errors = state["seam"]["reducer"]["errors"]
+        assert any("shared_expert" in n for n in errors) == (name == "trainable"), name
+
+
+def test_qwen2_moe_expert_receipts_count_one_expert_per_token_and_agree_on_ranks(qwen):
+    for name, (_, out) in qwen.items():
+        rs = receipts(out)
+        for r in rs:
+            experts = r["experts"]
+            assert (experts["layers"], experts["experts"], experts["top_k"]) == (2, 4, 1), name
+            assert experts["aux_loss_coef"] == 0.0 and experts["aux_loss"].startswith("none")
+            assert experts["dropped_tokens"] == 0 and experts["routing_identical_on_ranks"]
+        assert len({json.dumps(r["update_experts"]) for r in rs}) == 1
+        loads = loads_and_tokens(out)
+        for update, (load, tokens) in enumerate(loads):
+            assert [sum(layer) for layer in load] == [tokens] * 2, (name, update)
+        print(f"{name}: expert load per update, layer 0: {[load[0] for load, _ in loads]}")

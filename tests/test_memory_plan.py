@@ -43,6 +43,26 @@ def test_shapes_from_a_config_are_transformers_own_on_the_meta_device(tmp_path, 
     assert mm.config_shapes({"model_type": kind, **config}).shapes == meta_shapes(tmp_path)
 
 
+def test_a_grown_qwen2_moe_config_has_the_shapes_nshard_grow_writes(tmp_path):
+    """grown_config's Qwen2-MoE (the plan's growth.architecture, expert_size) is the config nshard.grow writes, and
+    its derived shapes are transformers' own on the meta device: routed experts, router, shared expert and gate."""
+    from transformers import AutoConfig
+
+    from nshard.grow import Growth, qwen2_moe_config
+    from nshard.run.training import meta_shapes
+
+    dense = mm.spec_config("embedded")
+    config = mm.grown_config(dense, 4, 1, "qwen2_moe", 384)
+    written = qwen2_moe_config(AutoConfig.for_model(**dense), Growth(experts=4, top_k=1, architecture="qwen2_moe",
+                                                                     expert_size=384))
+    written.save_pretrained(tmp_path)
+    assert mm.config_shapes(config).shapes == meta_shapes(tmp_path)
+    shapes = mm.config_shapes(config)
+    assert (shapes.experts, shapes.top_k, shapes.intermediate, shapes.shared_intermediate) == (4, 1, 384, 1536)
+    smaller = mm.grown_config(config, 3, 1)  # find_fix's fewer experts keep the design
+    assert smaller["model_type"] == "qwen2_moe" and smaller["moe_intermediate_size"] == 384
+
+
 def test_the_tiny_config_is_the_tiny_model_s():
     from nshard.run.models import TINY_CONFIG, TINY_VOCAB
 

@@ -965,12 +965,13 @@ def test_a_growth_from_an_unaccepted_study_or_a_tampered_export_is_refused(study
     assert not (tmp_path / "unaccepted").exists() and not (tmp_path / "tampered").exists()
 
 
-def growth_plan(tmp: Path, study_dir: Path) -> Path:
+def growth_plan(tmp: Path, study_dir: Path, growth: str = "experts = 4\ntop_k = 2\naux_coef = 0.1\n") -> Path:
     """The cohort's tiny plan as a growth study: the accepted candidate continued dense against the same candidate
-    grown into 4 experts (top 2), both from its weights, under the FLOPs continued dense spends in 3 updates."""
+    grown (by default the first design: 4 experts, top 2), both from its weights, under the FLOPs continued dense
+    spends in 3 updates."""
     ds = study_ds_config(study_dir)
     plan = cohort_plan(tmp, study_dir, start="weights")
-    plan.write_text(plan.read_text() + '\n[growth]\nbudget = "train_flops"\nexperts = 4\ntop_k = 2\naux_coef = 0.1\n'
+    plan.write_text(plan.read_text() + '\n[growth]\nbudget = "train_flops"\n' + growth +
                     '\n[study]\ncandidate = "grown"\nspeed_baseline = "dense"\neval_max_new_tokens = 12\n'
                     f'\n[[study.arms]]\nname = "dense"\nranks = 2\nds_config = "{ds}"\n'
                     f'\n[[study.arms]]\nname = "grown"\nranks = 2\nds_config = "{ds}"\ngrown = true\n')
@@ -1042,3 +1043,54 @@ def test_a_tiny_growth_study_grows_the_accepted_candidate_and_trains_both_arms_w
                      extra_args=["--grown", str(out / "grown")], check=False)
     assert refused.returncode != 0 and "over the plan's budget" in refused.stderr, refused.stderr[-2000:]
     assert not (tmp_path / "over").exists()
+
+
+QWEN_GROWTH = ('architecture = "qwen2_moe"\nexperts = 4\ntop_k = 1\nexpert_size = 32\nfreeze = "accepted"\n'
+               'aux_coef = 0.1\nfamily_weights = {cheapest = 0.25, acronym = 0.25, lookup = 0.125, '
+               'filtering = 0.125, sorting = 0.125, invoice = 0.125}\n')
+
+
+def test_a_tiny_shared_expert_growth_prices_its_frozen_weights_alike_in_the_study_and_the_trainer(accepted, tmp_path):
+    """The shared-expert design with every accepted weight frozen: the study prices the grown arm at 6 FLOPs per
+    trained and 4 per frozen parameter a token passes through, so it costs less per token than dense and trains at
+    least as many updates; the trainer, reading the freeze from the grown export, spends exactly what the study
+    budgeted (it would refuse more); the accepted weights leave training as grown; the screen is family-stratified
+    with the declared weights."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "nshard.study", "--plan",
+                           str(growth_plan(tmp_path, accepted, QWEN_GROWTH)), "--out", str(out)],
+                          cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    growth = json.loads((out / "study.json").read_text())["growth"]
+    dense, grown = growth["arms"]["dense"], growth["arms"]["grown"]
+    assert grown["frozen_active_parameters_per_token"] > 0 == dense["frozen_active_parameters_per_token"]
+    assert grown["flops_per_token"] == 6 * grown["active_parameters_per_token"] - 2 * grown[
+        "frozen_active_parameters_per_token"] < dense["flops_per_token"]
+    assert grown["updates"] >= dense["updates"] == 3 and grown["train_flops"] <= dense["train_flops"]
+    run = json.loads((out / "arms/grown/run.json").read_text())
+    assert run["budget"]["spent"] == grown["train_flops"] and run["frozen"]["setting"] == "accepted"
+    before, after = load_file(str(out / "grown/model.safetensors")), load_file(str(out / "arms/grown/model/model.safetensors"))
+    kept = [k for k in before if "experts" not in k and not k.endswith("mlp.gate.weight")]
+    assert kept and all(torch.equal(before[k], after[k]) for k in kept)
+    assert not all(torch.equal(before[k], after[k]) for k in before)
+    assert type(AutoModelForCausalLM.from_pretrained(out / "arms/grown/model")).__name__ == "Qwen2MoeForCausalLM"
+    results = json.loads((out / "results.json").read_text())
+    assert results["screens"]["quality"]["conditions"][0]["name"] == (
+        "family-stratified paired 99% lower bound vs dense (continued dense), points")
+    assert results["screens"]["quality"]["stratified"]["dense"]["n"] == 16
+    assert "| Of them frozen (no weight gradient) |" in (out / "report.md").read_text()
+
+
+def test_a_growth_plan_whose_cases_cannot_see_its_declared_advantage_is_refused_before_training(accepted, tmp_path):
+    out = tmp_path / "out"
+    growth = QWEN_GROWTH + "min_advantage_points = 3.0\nexpected_discordance = 0.1\n"
+    proc = subprocess.run([sys.executable, "-m", "nshard.study", "--plan", str(growth_plan(tmp_path, accepted, growth)),
+                           "--out", str(out)], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "growth.min_advantage_points=3.0: 16 fresh cases (effective" in proc.stderr, proc.stderr[-2000:]
+    assert "declared: advantage screen" in proc.stdout and not (out / "arms").exists() and not (out / "grown").exists()
+

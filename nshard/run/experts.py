@@ -1,4 +1,4 @@
-"""Expert execution receipts for a sparse (Mixtral-style) model: each update's router load per layer and expert over
+"""Expert execution receipts for a sparse (Mixtral or Qwen2-MoE) model: each update's router load per layer and expert over
 the tokens trained on (all ranks), tokens dropped, dead experts, and one probe routed on every rank, whose routing
 must be identical everywhere (a rank that routes otherwise stops the run)."""
 
@@ -18,7 +18,7 @@ AUX_LOSS = ("Switch-Transformer load balancing per document: E * sum_e f_e * P_e
             "weighted by the document's share of the update's target weight, times the model config's "
             "router_aux_loss_coef; added to the weighted NLL (per document, so it does not depend on how documents "
             "are dealt into microbatches or ranks)")
-CAPACITY = ("none: transformers' Mixtral sends every token to its top-k experts, so no token is dropped "
+CAPACITY = ("none: transformers' Mixtral and Qwen2-MoE send every token to its top-k experts, so no token is dropped "
             "(dropped_tokens counts tokens routed to fewer than top_k experts, which must stay 0)")
 
 

@@ -407,23 +407,37 @@ class CohortSection(Section):
 
 
 BUDGETS = ("train_flops",)
+GROWN_ARCHITECTURES = ("mixtral", "qwen2_moe")
+GROWN_FREEZE = ("none", "shared", "accepted")
+"""nshard/run/upcycle.py FREEZE (the plan imports only tasks/ and files.py)."""
 
 
 @dataclass(frozen=True)
 class GrowthSection(Section):
     """A growth study (docs/growth.md#the-growth-study): the accepted candidate continued dense against the same
-    candidate upcycled into a sparse model, both from its weights, on this plan's new material, under one training
-    budget declared here before either arm runs."""
+    candidate grown into a sparse model, both from its weights, on this plan's new material, under one training
+    budget declared here before either arm runs, judged by a screen declared here too."""
 
     KEY: ClassVar[str] = "growth"
 
+    architecture: str = "mixtral"
+    """"qwen2_moe": the accepted MLP kept as a shared expert, new routed experts, a router the task loss trains;
+    "mixtral": the first design, copies of the MLP behind a router that renormalizes the chosen weights (at top 1 it
+    learns from the load-balancing loss alone)."""
     experts: int = 4
+    """Routed experts per layer."""
     top_k: int = 2
+    """Routed experts each token is sent to."""
     seed: int = 0
     """The router's seed."""
     router_std: float = 0.02
     aux_coef: float = 0.01
     """router_aux_loss_coef of the grown model: the weight of nshard's load-balancing loss in training."""
+    expert_size: int = 0
+    """qwen2_moe: each routed expert's intermediate size (0: the MLP's). A smaller expert costs less per token."""
+    freeze: str = "none"
+    """qwen2_moe: what training keeps fixed: "none", "shared" (the shared expert, i.e. the accepted MLP, and its
+    gate), "accepted" (every weight carried from the accepted model: only routers and routed experts train)."""
     budget: str = setting("", Rule(lambda v: not v or v in BUDGETS, "{key}={value!r}: use \"train_flops\" (6 x active "
                                    "parameters x tokens trained). A device-seconds budget would make an arm's length "
                                    "depend on the machine it ran on, so a resumed arm would not end where the first "
@@ -434,6 +448,27 @@ class GrowthSection(Section):
                                            "for what continued dense training spends in train.updates updates"))
     """The frozen budget every arm trains within; 0: what continued dense training spends in train.updates
     updates, computed from the plan's data before either arm runs. Each arm trains the most updates it allows."""
+    min_advantage_points: float = 0.0
+    """The smallest advantage worth having, grown minus continued dense over every fresh case (points; 0: not
+    declared). With it the study refuses, before either arm trains, fresh cases too few for `power` against it."""
+    expected_discordance: float = 0.0
+    """The development discordance of grown against continued dense over every fresh case (the fraction of cases
+    they answer differently), which the advantage screen's power is computed from."""
+    power: float = 0.90
+    """The advantage screen's required power against min_advantage_points."""
+    first_cohort_margin_points: float = 0.0
+    """The first-cohort sub-screen: grown minus continued dense on the first cohort's cases must have a paired lower
+    bound above this (negative, e.g. -3.0: non-inferiority); 0: no sub-screen."""
+    first_cohort_expected_discordance: float = 0.0
+    """The development discordance of grown against continued dense on the first cohort's cases."""
+    first_cohort_power: float = 0.80
+    """The first-cohort sub-screen's required power for an equal candidate."""
+    family_weights: dict = field(default_factory=dict)
+    """Declared weights of the families pooled in the advantage screen ({family = weight}, summing to 1): the
+    estimate is then family-stratified, sum_f w_f x (family f's mean difference). Empty: every case weighs alike."""
+
+    def check(self):
+        check_growth_screen(self)
 
     @property
     def enabled(self) -> bool:
@@ -441,7 +476,39 @@ class GrowthSection(Section):
 
     def settings(self) -> dict:
         """The upcycling settings, as nshard.grow.Growth takes them."""
-        return {k: getattr(self, k) for k in ("experts", "top_k", "seed", "router_std", "aux_coef")}
+        return {k: getattr(self, k) for k in ("experts", "top_k", "seed", "router_std", "aux_coef", "architecture",
+                                              "expert_size", "freeze")}
+
+
+def check_growth_screen(g: GrowthSection) -> None:
+    """The growth screen's declarations: each key's range, named with its value and the fix."""
+    if not 0.0 <= g.min_advantage_points < 100.0:
+        raise PlanError(f"growth.min_advantage_points={g.min_advantage_points}: give the smallest advantage worth "
+                        "having in points, e.g. 3.0 (0: not declared)")
+    for key in ("expected_discordance", "first_cohort_expected_discordance"):
+        if not 0.0 <= getattr(g, key) < 1.0:
+            raise PlanError(f"growth.{key}={getattr(g, key)}: give the development fraction of cases the two arms "
+                            "answer differently, in [0, 1)")
+    if g.min_advantage_points and not 100 * g.expected_discordance > g.min_advantage_points:
+        raise PlanError(f"growth.expected_discordance={g.expected_discordance}: with min_advantage_points = "
+                        f"{g.min_advantage_points} declare the development discordance (above "
+                        f"{g.min_advantage_points / 100}: an advantage needs that many cases answered differently)")
+    for key in ("power", "first_cohort_power"):
+        if not 0.5 <= getattr(g, key) < 1.0:
+            raise PlanError(f"growth.{key}={getattr(g, key)}: give a power in [0.5, 1), e.g. 0.9")
+    if not g.first_cohort_margin_points <= 0.0:
+        raise PlanError(f"growth.first_cohort_margin_points={g.first_cohort_margin_points}: a non-inferiority margin "
+                        "is negative, e.g. -3.0 (0: no first-cohort sub-screen)")
+    if g.first_cohort_margin_points and not g.first_cohort_expected_discordance:
+        raise PlanError(f"growth.first_cohort_expected_discordance=0: with first_cohort_margin_points = "
+                        f"{g.first_cohort_margin_points} declare the development discordance on the first cohort's "
+                        "cases")
+    weights = g.family_weights
+    bad = [f for f, w in weights.items() if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0]
+    if bad:
+        raise PlanError(f"growth.family_weights.{bad[0]}={weights[bad[0]]!r}: give each family a positive weight")
+    if weights and abs(sum(weights.values()) - 1.0) > 1e-9:
+        raise PlanError(f"growth.family_weights sum to {sum(weights.values())}: declare weights that sum to 1")
 
 
 @dataclass(frozen=True)
@@ -554,9 +621,13 @@ def check_fault(plan: "Plan") -> None:
                         f"train.updates ({updates})")
 
 
-def upcycling_problem(experts: int, top_k: int, seed: int, router_std: float, aux_coef: float) -> tuple[str, str] | None:
+def upcycling_problem(experts: int, top_k: int, seed: int, router_std: float, aux_coef: float,
+                      architecture: str = "mixtral", expert_size: int = 0, freeze: str = "none") -> tuple[str, str] | None:
     """The first upcycling setting that cannot work, as (key, what to do), or None; the plan's [growth] and
     python -m nshard.grow both refuse by it."""
+    if architecture not in GROWN_ARCHITECTURES:
+        return "architecture", ("use \"qwen2_moe\" (a shared expert and a router the task trains) or \"mixtral\" (the "
+                                "first design: copies behind a renormalized router)")
     if experts < 2:
         return "experts", "an upcycled model needs at least 2 experts per layer"
     if not 1 <= top_k <= experts:
@@ -566,6 +637,12 @@ def upcycling_problem(experts: int, top_k: int, seed: int, router_std: float, au
     if not router_std > 0:
         return "router_std", ("a zero router ties every expert and routes all tokens to the first top_k (dead "
                               "experts); give a positive std such as 0.02")
+    if expert_size < 0 or (expert_size and architecture == "mixtral"):
+        return "expert_size", ("give a routed expert's intermediate size > 0, or 0 for the MLP's (a mixtral growth's "
+                               "experts are copies of the MLP: leave it 0)")
+    if freeze not in GROWN_FREEZE or (freeze != "none" and architecture == "mixtral"):
+        return "freeze", ('use "none", "shared" (the shared expert and its gate) or "accepted" (every weight carried '
+                          'from the accepted model); a mixtral growth has no shared expert: leave it "none"')
     return None
 
 

@@ -148,10 +148,11 @@ def device_peak(device: torch.device, dtype: str) -> Peak:
                 probe_path=record.get("path"))
 
 
-def active_parameters(module: torch.nn.Module) -> int:
-    """budget.active_parameters with every parameter at its full shape (a ZeRO-3 partition counts as the whole
-    parameter: DeepSpeed keeps that shape in ds_shape), counted on the meta device."""
-    named = [(n, torch.empty(tuple(getattr(p, "ds_shape", p.shape)), device="meta"))
+def parameter_cost(module: torch.nn.Module) -> tuple[int, int]:
+    """budget.parameter_cost (active, frozen active) with every parameter at its full shape (a ZeRO-3 partition
+    counts as the whole parameter: DeepSpeed keeps that shape in ds_shape), counted on the meta device; a parameter
+    with requires_grad False is frozen."""
+    named = [(n, torch.empty(tuple(getattr(p, "ds_shape", p.shape)), device="meta", requires_grad=p.requires_grad))
              for n, p in module.named_parameters()]
 
     class FullShapes:
@@ -163,7 +164,11 @@ def active_parameters(module: torch.nn.Module) -> int:
         def named_parameters(self):
             return iter(named)
 
-    return budget_mod.active_parameters(FullShapes())
+    return budget_mod.parameter_cost(FullShapes())
+
+
+def active_parameters(module: torch.nn.Module) -> int:
+    return parameter_cost(module)[0]
 
 
 def mfu(achieved_tflops: float, peak_tflops: float | None) -> float | None:
@@ -177,16 +182,16 @@ def mfu(achieved_tflops: float, peak_tflops: float | None) -> float | None:
 class Meter:
     """One update's figures from its batch and seconds: every rank computes the same counts from the schedule."""
 
-    def __init__(self, prepared, active: int, peak: Peak, devices: int):
+    def __init__(self, prepared, active: int, peak: Peak, devices: int, frozen: int = 0):
         self.tokens = [len(p.input_ids) for p in prepared]
         # A response token is a target: weights[0] is never one (nothing predicts the first token).
         self.response = [sum(1 for w in p.weights[1:] if w) for p in prepared]
-        self.active, self.peak, self.devices = active, peak, devices
+        self.active, self.frozen, self.peak, self.devices = active, frozen, peak, devices
         self.peak_tflops = peak.tflops_per_device * devices if peak.tflops_per_device else None
 
     def figures(self, batch: list[int], seconds: float) -> dict:
         tokens = sum(self.tokens[i] for i in batch)
-        flops = budget_mod.flops(self.active, [tokens])
+        flops = budget_mod.flops(self.active, [tokens], self.frozen)
         achieved = flops / seconds / 1e12
         if self.peak_tflops and achieved > self.peak_tflops and self.peak.probe_path:
             Path(self.peak.probe_path).unlink(missing_ok=True)  # it read low: the next run measures it again
@@ -198,7 +203,8 @@ class Meter:
 
     def record(self) -> dict:
         """How the figures were counted, for the receipts."""
-        return {"flops_count": budget_mod.HOW, "active_parameters_per_token": self.active, "devices": self.devices,
+        return {"flops_count": budget_mod.HOW, "active_parameters_per_token": self.active,
+                "frozen_active_parameters_per_token": self.frozen, "devices": self.devices,
                 "peak": asdict(self.peak), "peak_tflops": self.peak_tflops,
                 "mfu": "achieved_tflops / peak_tflops: the count's FLOPs / update seconds / (devices x one device's "
                        "dense peak)"}
@@ -207,7 +213,8 @@ class Meter:
 def meter(engine, prepared, world: int) -> Meter:
     """The run's Meter: the engine's module counted at full shape, one device per rank at its dtype's peak."""
     dtype = "bfloat16" if engine.bfloat16_enabled() else "float16" if engine.fp16_enabled() else "float32"
-    return Meter(prepared, active_parameters(engine.module), device_peak(engine.device, dtype), world)
+    active, frozen = parameter_cost(engine.module)
+    return Meter(prepared, active, device_peak(engine.device, dtype), world, frozen)
 
 
 def compression_error(seam, device) -> dict:

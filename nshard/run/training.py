@@ -437,10 +437,24 @@ def check_budget(run: Run, model_ref, prepared, schedule) -> dict | None:
     if not run.plan.growth.enabled:
         return None
     tokens = budget_mod.update_tokens([len(p.input_ids) for p in prepared], schedule)
-    active = budget_mod.model_active_parameters(model_ref.path)
+    active, frozen = budget_mod.model_cost(model_ref.path)
     limit = run.plan.growth.train_flops or budget_mod.flops(
-        budget_mod.model_active_parameters(read_accepted(run.plan.cohort.from_study).model_dir), tokens)
-    return budget_mod.check_schedule(limit, active, tokens)
+        budget_mod.model_cost(read_accepted(run.plan.cohort.from_study).model_dir)[0], tokens)
+    return budget_mod.check_schedule(limit, active, tokens, frozen)
+
+
+def frozen_record(model, model_ref) -> dict | None:
+    """A grown export whose record declares a freeze (nshard/run/upcycle.py): those parameters get requires_grad
+    False, so DeepSpeed and the seams reduce and step only what trains; None when nothing is frozen."""
+    from nshard.run.budget import declared_freeze
+    from nshard.run.upcycle import freeze
+
+    setting = declared_freeze(model_ref.path) if model_ref.kind == "local" else "none"
+    names = freeze(model, setting)
+    if not names:
+        return None
+    params = dict(model.named_parameters())
+    return {"setting": setting, "tensors": len(names), "parameters": sum(params[n].numel() for n in names)}
 
 
 def run_training(run: Run, overwrite: bool = False, resume_from: state_mod.ResumePoint | None = None) -> dict:
@@ -486,7 +500,9 @@ def train_owned(run: Run, overwrite: bool, resume_from: state_mod.ResumePoint | 
         if run.is_main:
             write_prepared(run, inputs)
     torch.manual_seed(run.plan.train.seed)
-    engine = engine_mod.build_engine(load_model(model_ref), run.ds_config)
+    model = load_model(model_ref)
+    frozen = frozen_record(model, model_ref)  # a grown export's declared freeze, before the engine sees the model
+    engine = engine_mod.build_engine(model, run.ds_config)
     seam = engine_mod.install_reducer(engine, run.reducer)
     run.experts = experts_mod.ExpertTap.find(engine.module, list(prepared[0].input_ids))
     keeper = state_mod.StateKeeper(run, engine, seam, identity)
@@ -516,7 +532,7 @@ def train_owned(run: Run, overwrite: bool, resume_from: state_mod.ResumePoint | 
              "precision": ds_precision(ds_config),
              "startup": startup(receipt.first_update_at),
              "experts": run.experts and {**run.experts.declared(), **experts_mod.summary(receipt.update_experts)},
-             "budget": budget, "activation_checkpointing": engine_mod.checkpointing_record(engine)}
+             "budget": budget, "activation_checkpointing": engine_mod.checkpointing_record(engine), "frozen": frozen}
     body = receipt.finish(run.out / "receipts" / f"rank-{run.rank}.json", root, active_plus_checkpoint, extra)
     dist.barrier()
     if run.is_main:
@@ -525,7 +541,7 @@ def train_owned(run: Run, overwrite: bool, resume_from: state_mod.ResumePoint | 
                        zero_stage=extra["zero_stage"], reducer=extra["reducer"], precision=extra["precision"],
                        resumed_from_update=body["resumed_from_update"], resumed_from=resumed,
                        cohort=run.start and {**run.start.provenance, "start": started}, budget=budget,
-                       activation_checkpointing=extra["activation_checkpointing"])
+                       activation_checkpointing=extra["activation_checkpointing"], frozen=frozen)
         print(json.dumps({"run": str(run.out), "parameter_root": root, "active_s": round(body["active_s"], 3)}),
               flush=True)
     return body

@@ -5,6 +5,8 @@ with train.updates and growth.train_flops set), all recorded in study.json befor
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -36,12 +38,13 @@ def make_grown(plan: Plan, out: Path, note) -> dict:
             grow(Path(plan.cohort.from_study), target, settings)
         except GrowError as exc:
             raise GrowthError(str(exc)) from None
-        note(f"grew {point.provenance['candidate']} into {target}: {settings.experts} experts, top {settings.top_k}")
+        note(f"grew {point.provenance['candidate']} into {target}: {settings.architecture}, {settings.experts} "
+             f"experts, top {settings.top_k}" + (f", freeze {settings.freeze}" if settings.freeze != "none" else ""))
     try:
         grown = grown_start(point, target).provenance["grown"]
     except CohortError as exc:
         raise GrowthError(f"{exc}; move {target} aside and run the study again") from None
-    if grown["growth"] != settings.__dict__:
+    if grown["growth"] != settings.record():
         raise GrowthError(f"{target} was grown with other settings than this plan's [growth] ({grown['growth']}); "
                           "move it aside and run the study again")
     note(f"grown export {target}: {grown['parameters']:,} parameters ({grown['active_parameters_per_token']:,} per "
@@ -68,7 +71,6 @@ def plan_budget(plan: Plan, plan_path: Path, out: Path, note, resolve_ds_config)
     from nshard.run.replay import heldout_retention_documents, replay_documents
     from nshard.seam.ds_config import load_ds_config
 
-    grown = make_grown(plan, out, note)
     ref = resolve_model(start_model_spec(plan))
     tokenizer = load_tokenizer(ref)
     g, t = plan.growth, plan.train
@@ -79,27 +81,30 @@ def plan_budget(plan: Plan, plan_path: Path, out: Path, note, resolve_ds_config)
         key = (arm.replay, placement)
         if key not in made:
             replay = replay_documents(plan, ref, tokenizer, placement) if arm.replay else []
-            docs, prepared, schedule, _, _ = prepare(
+            docs, prepared, schedule, sets, _ = prepare(
                 plan, tokenizer, replay, with_replay=arm.replay, chat=chat,
                 retention_heldout=heldout_retention_documents(plan, ref, tokenizer, placement))
             made[key] = ([len(p.input_ids) for p in prepared],
-                         len(docs) - sum(d.kind in ("heldout", "retention-heldout") for d in docs), schedule)
+                         len(docs) - sum(d.kind in ("heldout", "retention-heldout") for d in docs), schedule, sets)
         inputs[arm.name] = made[key]
-    actives = {arm.name: budget_mod.model_active_parameters(arm_model_dir(plan, out, arm.grown))
-               for arm in plan.study.arms}
+    screen = declare_screen(plan, inputs[plan.study.candidate][3], note)  # before anything is grown or trained
+    grown = make_grown(plan, out, note)
+    costs = {arm.name: budget_mod.model_cost(arm_model_dir(plan, out, arm.grown)) for arm in plan.study.arms}
     dense = next(a for a in plan.study.arms if not a.grown)
     if g.train_flops:
         budget, declared = float(g.train_flops), "growth.train_flops"
     else:
-        lengths, _, schedule = inputs[dense.name]
-        budget = float(budget_mod.flops(actives[dense.name], budget_mod.update_tokens(lengths, schedule)))
+        lengths, _, schedule, _ = inputs[dense.name]
+        dense_active, dense_frozen = costs[dense.name]
+        budget = float(budget_mod.flops(dense_active, budget_mod.update_tokens(lengths, schedule), dense_frozen))
         declared = f"continued dense training ({dense.name}) over train.updates = {t.updates} updates"
     arms, paths = {}, {}
     text = plan_path.read_text()
     for arm in plan.study.arms:
-        lengths, n_train, _ = inputs[arm.name]
-        updates = budget_mod.updates_within(budget, actives[arm.name], lengths, n_train, t.global_batch_docs,
-                                            plan.data.seed)
+        lengths, n_train, _, _ = inputs[arm.name]
+        active, frozen = costs[arm.name]
+        updates = budget_mod.updates_within(budget, active, lengths, n_train, t.global_batch_docs, plan.data.seed,
+                                            frozen=frozen)
         if updates < 1:
             raise GrowthError(f"growth: the budget ({budget:.4g} FLOPs) does not buy arm {arm.name} one update; "
                               "raise growth.train_flops or train.updates")
@@ -107,15 +112,59 @@ def plan_budget(plan: Plan, plan_path: Path, out: Path, note, resolve_ds_config)
         path = Path(out) / "arm-plans" / f"{arm.name}.toml"
         write_text_atomic(path, arm_plan_text(text, updates, budget, plan, plan_path, resolve_ds_config))
         paths[arm.name] = path
-        arms[arm.name] = {"grown": arm.grown, "updates": updates, "active_parameters_per_token": actives[arm.name],
-                          "tokens": sum(tokens), "train_flops": budget_mod.flops(actives[arm.name], tokens),
+        arms[arm.name] = {"grown": arm.grown, "updates": updates, "active_parameters_per_token": active,
+                          "frozen_active_parameters_per_token": frozen,
+                          "flops_per_token": budget_mod.token_flops(active, frozen),
+                          "tokens": sum(tokens), "train_flops": budget_mod.flops(active, tokens, frozen),
                           "plan": str(path), "plan_sha256": file_sha256(path)}
         note(f"budget: arm {arm.name} trains {updates} updates ({sum(tokens):,} tokens, "
              f"{arms[arm.name]['train_flops']:.4g} of {budget:.4g} FLOPs)")
+    short = budget_mod.controls_short(arms)
+    if short:
+        raise GrowthError(f"growth.train_flops={budget:.4g}: continued dense ({', '.join(short)}) would train fewer "
+                          "FLOPs than the grown arm within it; leave growth.train_flops = 0 (the budget is then what "
+                          "continued dense spends in train.updates) or raise it")
     record = {"budget": {"kind": g.budget, "train_flops": budget, "declared_as": declared, "how": budget_mod.HOW},
               "arms": arms, "grown": {k: grown[k] for k in ("model_dir", "parameter_root", "parameters",
-                                                            "active_parameters_per_token", "growth")}}
+                                                            "active_parameters_per_token", "growth")},
+              "screen": screen}
     return record, paths
+
+
+def family_counts(case_ids) -> dict[str, int]:
+    """Cases per family, from case ids (FAMILY-sSEED-INDEX, nshard/tasks/base.py case_id)."""
+    return dict(collections.Counter(case.rsplit("-", 2)[0] for case in case_ids))
+
+
+def declare_screen(plan: Plan, sets: dict, note) -> dict | None:
+    """The growth screen's declaration (nshard/analysis/growth.py screen_declaration) at the fresh cases the plan
+    draws, said before either arm trains; GrowthError, naming the keys and the cases needed, when a declared screen
+    falls short of its power. None when the plan declares no advantage, sub-screen or family weights."""
+    from nshard.analysis.growth import declaration_lines, screen_declaration
+
+    g = plan.growth
+    if not (g.min_advantage_points or g.first_cohort_margin_points or g.family_weights):
+        return None
+    try:
+        declared = screen_declaration(dataclasses.asdict(g), family_counts(sets["eval_case_ids"]),
+                                      family_counts((sets.get("cohort") or {}).get("first_cohort_eval_case_ids", [])),
+                                      plan.screens.confidence, plan.screens.min_growth_paired_lower_points)
+    except ValueError as exc:
+        raise GrowthError(str(exc)) from None
+    for line in declaration_lines(declared):
+        note(f"declared: {line[2:]}")
+    a, f = declared["advantage"], declared["first_cohort"]
+    if a and not a["sufficient"]:
+        raise GrowthError(f"growth.min_advantage_points={g.min_advantage_points}: {a['n']:,} fresh cases (effective "
+                          f"{a['n_effective']:,.0f}) give the advantage screen {a['power']:.0%} power, under growth.power"
+                          f" = {g.power}; raise data.eval_cases_per_family and cohort.first_cohort_eval_cases_per_family "
+                          f"until the effective count reaches {a['effective_cases_needed']:,}")
+    if f and not f["sufficient"]:
+        raise GrowthError(f"growth.first_cohort_margin_points={g.first_cohort_margin_points}: {f['n']:,} first-cohort "
+                          f"cases give the sub-screen {f['power']:.0%} power, under growth.first_cohort_power = "
+                          f"{g.first_cohort_power}; raise cohort.first_cohort_eval_cases_per_family until the first "
+                          f"cohort's cases reach {f['cases_needed']:,}")
+    return declared
 
 
 def arm_plan_text(text: str, updates: int, budget: float, plan: Plan | None = None,

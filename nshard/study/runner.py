@@ -381,8 +381,8 @@ def say_declared_power(plan: Plan, arms: dict[str, Path]) -> list[dict]:
     against continued dense asks for an advantage, not parity, so only its first-cohort screen has one."""
     from nshard.analysis.report import declared_powers, power_lines
 
-    if plan.study.candidate not in arms:
-        return []
+    if plan.study.candidate not in arms or plan.growth.first_cohort_margin_points:
+        return []  # a declared growth screen said its powers before training (nshard/study/growth.py declare_screen)
     sets = json.loads((arms[plan.study.candidate] / "prepared" / "sets.json").read_text())
     controls = [] if plan.growth.enabled else [a.name for a in plan.study.arms
                                                if a.name != plan.study.candidate and a.name in arms]
