@@ -26,6 +26,7 @@ from nshard.cli import SPELLING_NOTE, ArgumentParser, prog
 from nshard.analysis.paired import PairingError, cases_for_one_loss, declared_power, mean_interval, paired_bounds
 from nshard.analysis.validated import NotValidated, check_validated
 from nshard.evidence.commit import CommitError, check_committed_as, files_sha256, load_commitment, model_files
+from nshard.files import atomic_file, write_text_atomic
 
 FAMILY_TITLES = {"lookup": "Lookup", "filtering": "Filtering", "sorting": "Sorting", "invoice": "Invoice totals",
                  "cheapest": "Cheapest item", "acronym": "Acronym", "chat": "Own held-out rows, exact match"}
@@ -146,6 +147,19 @@ def retention_block(changes: list[float], confidence: float) -> dict | None:
     return {"docs": len(changes), "mean_change_nats": mean, "lower_nats": lower, "upper_nats": upper}
 
 
+def heldout_retention_block(study_dir: Path, label: str, confidence: float) -> dict | None:
+    """The held-out retention documents' changes (eval/<label>/retention_heldout.jsonl against the seed's), as the
+    exposed retention block; None where the study has none (data.heldout_retention_docs = 0, or an older study)."""
+    path = study_dir / "eval" / label / "retention_heldout.jsonl"
+    seed_path = study_dir / "eval" / "seed" / "retention_heldout.jsonl"
+    rows = read_jsonl(path) if path.is_file() else []
+    if not rows:
+        return None
+    block = retention_block(retention_changes(path, rows, read_jsonl(seed_path) if seed_path.is_file() else []),
+                            confidence)
+    return block and {**block, "held_out": True}
+
+
 def heldout_block(path: Path) -> dict | None:
     """An evaluation's own held-out rows (heldout.jsonl), recounted: loss per response token over all of them (sum of
     weight x NLL / total target weight, as in training) and each row's own, for pairing; None without held-out rows."""
@@ -222,6 +236,18 @@ def execution_block(run_dir: Path, ranks: int, usd_per_gb: float, launch: dict |
             "peak_allocated_bytes": max((r["peak_allocated_bytes"] for r in receipts if "peak_allocated_bytes" in r),
                                         default=None),
             "throughput": throughput_block(receipts)}
+
+
+def derived_execution(spec: dict, study: dict, screens: dict) -> dict:
+    """An interpolated arm's execution and metrics: its trained arm's (that training made it), the interpolation's
+    seconds added to the complete process, so a speed screen counts what the arm cost."""
+    source = next(a for a in study["arms"] if a["name"] == spec["interpolated"]["from"])
+    run_dir = Path(source["run_dir"])
+    block = execution_block(run_dir, source["ranks"], screens["network_usd_per_gb"], source)
+    extra = spec["interpolated"]["seconds"]
+    block.update(complete_process_s=block["complete_process_s"] + extra,
+                 device_seconds=block["device_seconds"] + extra, derived_from=source["name"], derived_s=extra)
+    return {"execution": block, "metrics": read_jsonl(run_dir / "metrics.jsonl")}
 
 
 def recovery_summary(recovery: list[dict]) -> list[dict]:
@@ -318,9 +344,11 @@ def speed_screen(arms: list[dict], candidate: str, baseline: str, screens: dict,
     why = None
     if placement is not None and not placement.get("comparable", True):
         why = placement.get("why")
-    elif baseline == candidate:  # a second cohort: replay against no replay, on one reduction; no ratio to screen
-        why = (f"the candidate {candidate} is its own speed baseline (study.speed_baseline): its arms differ by their "
-               f"data, not their reduction, and the first study screened the reduction's speed")
+    elif baseline in (candidate, (by_name[candidate].get("interpolated") or {}).get("from")):
+        # a second cohort: replay against no replay, on one reduction; no ratio to screen
+        why = (f"the candidate {candidate} is its own speed baseline (study.speed_baseline"
+               + ("" if baseline == candidate else f": {baseline}, the arm it interpolates") + "): its arms differ by "
+               "their data, not their reduction, and the first study screened the reduction's speed")
     if why is not None:
         for c in conds:
             c["passed"] = None
@@ -393,6 +421,9 @@ def cohort_screen(candidate: dict, rows: list[dict], seed_rows: list[dict], firs
                        paired["lower_points"], screens["min_paired_lower_points"], ">"),
              condition(f"retention-change {conf:.0%} upper bound vs the accepted checkpoint, nats",
                        (candidate.get("retention") or {}).get("upper_nats"), screens["max_retention_upper_nats"], "<")]
+    if candidate.get("retention_heldout") is not None:  # documents no cohort trained on: forgetting, not rehearsal
+        conds.append(condition(f"held-out retention-change {conf:.0%} upper bound vs the accepted checkpoint, nats",
+                               candidate["retention_heldout"]["upper_nats"], screens["max_retention_upper_nats"], "<"))
     return {"passed": all(c["passed"] for c in conds), "conditions": conds, "first_cohort_paired": paired}
 
 
@@ -479,7 +510,9 @@ def first_cohort_screening(study: dict) -> dict:
     families = list(cohort.get("first_cohort_families", []))
     screened = cohort.get("first_cohort_screen_families", families)
     return {"families": families, "screened": screened, "not_screened": [f for f in families if f not in screened],
-            "min_accuracy": cohort.get("screen_min_accuracy", 0.0)}
+            "min_accuracy": cohort.get("screen_min_accuracy", 0.0),
+            "replay_counts": cohort.get("first_cohort_replay_counts"),
+            "replay_response_weight": cohort.get("first_cohort_response_weight")}
 
 
 def validation_summary(study_dir: Path) -> dict:
@@ -527,9 +560,14 @@ def analyze(study_dir: Path) -> dict:
                        model_files=read_json(eval_dir / "summary.json")["model_files"],
                        retention=retention_block(retention_changes(eval_dir / "retention.jsonl", read_jsonl(
                            eval_dir / "retention.jsonl"), seed_retention), conf),
-                       heldout=heldout_block(eval_dir / "heldout.jsonl"),
-                       execution=execution_block(run_dir, spec["ranks"], screens["network_usd_per_gb"], spec),
-                       metrics=read_jsonl(run_dir / "metrics.jsonl"))
+                       retention_heldout=heldout_retention_block(study_dir, spec["name"], conf),
+                       heldout=heldout_block(eval_dir / "heldout.jsonl"))
+            if spec.get("interpolated"):
+                arm.update(interpolated={k: spec["interpolated"][k] for k in ("from", "alpha", "seconds")},
+                           **derived_execution(spec, study, screens))
+            else:
+                arm.update(execution=execution_block(run_dir, spec["ranks"], screens["network_usd_per_gb"], spec),
+                           metrics=read_jsonl(run_dir / "metrics.jsonl"))
         else:
             arm.update(parameter_root=None, accuracy=None, per_family=None)
         arms.append(arm)
@@ -632,6 +670,13 @@ def learning_table(results: dict) -> str:
         _num(r["mean_change_nats"] if r else None, "{:+.6f}") for r in ret) + " |")
     lines.append(f"| Approximate {conf} upper retention bound | " + " | ".join(
         _num(r["upper_nats"] if r else None, "{:+.6f}") for r in ret) + " |")
+    held = [None] + [a.get("retention_heldout") for a in results["arms"]]
+    if any(held):  # documents no arm trained on
+        docs = next(h["docs"] for h in held if h)
+        lines.append(f"| Mean held-out retention-loss change ({docs} documents never trained), nats | " + " | ".join(
+            _num(h["mean_change_nats"] if h else None, "{:+.6f}") for h in held) + " |")
+        lines.append(f"| Approximate {conf} upper held-out retention bound | " + " | ".join(
+            _num(h["upper_nats"] if h else None, "{:+.6f}") for h in held) + " |")
     return "\n".join(lines)
 
 
@@ -732,6 +777,10 @@ def execution_table(results: dict) -> str:
     device = next((e["device"] for e in ex if e), "CPU")
     rows = [
         ("Ranks", lambda a, e: str(a["ranks"])),
+        *([("Made from (interpolated: its training is that arm's)", lambda a, e: "trained" if not a.get(
+            "interpolated") else f"{a['interpolated']['from']}, alpha {a['interpolated']['alpha']:g}, "
+                                 f"+{a['interpolated']['seconds']:,.2f} s")]
+          if any(a.get("interpolated") for a in arms) else []),
         ("Compute (masters, moments, error memory)", lambda a, e: "—" if not e.get("precision") else
          f"{e['precision']['compute']} ({e['precision']['masters']})"),
         ("AdamW implementation", lambda a, e: e.get("optimizer") or "—"),
@@ -815,12 +864,20 @@ def _mfu_cell(e: dict) -> str:
 
 
 def screening_lines(screening: dict | None) -> list[str]:
-    """A second cohort's note of which first-cohort families its paired screen counted."""
-    if not screening or not screening["not_screened"]:
+    """A second cohort's note of which first-cohort families its paired screen counted, and what it replayed."""
+    if not screening:
         return []
-    return [f"- first-cohort families screened: {', '.join(screening['screened'])}; not screened: "
-            f"{', '.join(screening['not_screened'])} (the accepted candidate answered less than "
-            f"{screening['min_accuracy']:.0%} of them in its own study: cohort.screen_min_accuracy)"]
+    lines = []
+    if screening["not_screened"]:
+        lines.append(f"- first-cohort families screened: {', '.join(screening['screened'])}; not screened: "
+                     f"{', '.join(screening['not_screened'])} (the accepted candidate answered less than "
+                     f"{screening['min_accuracy']:.0%} of them in its own study: cohort.screen_min_accuracy)")
+    if screening.get("replay_counts") is not None:
+        counts = ", ".join(f"{FAMILY_TITLES.get(f, f).lower()} {screening['replay_counts'][f]}"
+                           for f in screening["families"] if f in screening["replay_counts"])
+        lines.append(f"- first-cohort training cases replayed by the candidate: {counts}; each response token weighs "
+                     f"{screening['replay_response_weight']:g}")
+    return lines
 
 
 def screen_lines(screen: dict) -> list[str]:
@@ -1010,13 +1067,12 @@ def expert_load_plot(plt, arms: list[dict], path: Path, tag: str) -> Path:
 
 
 def _save(fig, path: Path) -> Path:
-    tmp = path.with_name(path.stem + ".tmp.png")
     fig.tight_layout()
-    fig.savefig(tmp, dpi=110)
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
     import matplotlib.pyplot as plt
 
     plt.close(fig)  # pyplot keeps every figure it made until closed
-    tmp.replace(path)
     return path
 
 
@@ -1027,9 +1083,7 @@ def write_outputs(study_dir: Path) -> dict:
               "plots": [str(p.relative_to(study_dir)) for p in plots]}
     for path, text in ((study_dir / "results.json", json.dumps(public, indent=1, sort_keys=True) + "\n"),
                        (study_dir / "report.md", render_report(results))):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+        write_text_atomic(path, text)
     return results
 
 

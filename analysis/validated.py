@@ -37,6 +37,7 @@ def check_validated(study_dir: Path, labels: list[str]) -> list[str]:
         check_cases(study_dir, label, checked["case_results"])
         check_retention(study_dir, label, checked["retention_docs_checked"])
         check_retention(study_dir, label, checked.get("heldout_docs_checked"), "heldout")
+        check_retention(study_dir, label, checked.get("retention_heldout_docs_checked"), "retention_heldout")
     if not validation.get("regenerated"):
         return [f"{path}: validation did not generate the answers again (study.validate_regenerate = false)"]
     return []
@@ -59,12 +60,13 @@ def check_cases(study_dir: Path, label: str, validated: dict[str, dict]) -> None
 
 
 def check_retention(study_dir: Path, label: str, validated: dict[str, dict] | None, what: str = "retention") -> None:
-    """what="heldout": an evaluation's own held-out rows (heldout.jsonl); validated None: validation saw none, so
-    the evaluation must hold none either."""
+    """what="heldout": an evaluation's own held-out rows (heldout.jsonl), "retention_heldout": its held-out retention
+    documents (retention_heldout.jsonl); validated None: validation saw none, so the evaluation must hold none either."""
     path = Path(study_dir) / "eval" / label / f"{what}.jsonl"
-    if what == "heldout" and validated is None:
+    if what != "retention" and validated is None:
         if path.is_file() and _rows(path):
-            raise NotValidated(f"{path}: evaluation {label}: holds held-out rows that validation did not check; "
+            rows = {"heldout": "held-out rows", "retention_heldout": "held-out retention rows"}[what]
+            raise NotValidated(f"{path}: evaluation {label}: holds {rows} that validation did not check; "
                                "validate the study again")
         return
     rows = _rows(path)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
 
 from nshard.cli import SPELLING_NOTE, ArgumentParser, prog
+from nshard.files import write_text_atomic
 
 RUN_KEYS = ("status", "plan", "plan_sha256", "world_size", "zero_stage", "reducer")
 RECEIPT_KEYS = ("rank", "update_s", "update_grad_bytes", "update_compressed", "parameter_root", "peak_rss_bytes")
@@ -227,18 +227,12 @@ def render_markdown(table: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def write_table(directory: str | Path) -> dict:
     """Build the table from `directory` and write zero_table.json and zero_table.md into it."""
     directory = Path(directory)
     table = build_table(directory)
-    write_atomic(directory / "zero_table.json", json.dumps(table, indent=1) + "\n")
-    write_atomic(directory / "zero_table.md", render_markdown(table))
+    write_text_atomic(directory / "zero_table.json", json.dumps(table, indent=1) + "\n")
+    write_text_atomic(directory / "zero_table.md", render_markdown(table))
     return table
 
 

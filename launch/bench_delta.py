@@ -26,9 +26,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
+import torch  # noqa: E402 -- after sys.path takes the checkout
 
-from nshard.comm.delta import CHUNK_BLOCKS, DeltaCodec, chunk_elements, gap_max_  # noqa: E402
+from nshard.comm.delta import CHUNK_BLOCKS, DeltaCodec, chunk_elements, gap_max_  # noqa: E402 -- after sys.path takes the checkout
+from nshard.files import write_text_atomic  # noqa: E402 -- after sys.path takes the checkout
 
 PARTITION_NUMEL = 850_000_000
 """Half of SmolLM2-1.7B's parameters: one rank's partition under ZeRO-2 on two ranks."""
@@ -106,7 +107,7 @@ def counted_pass(arm: Arm, master, start, replica, encoded) -> dict:
     """One more pass, its host reads counted (and on CUDA its synchronizations), ending as the timed ones did."""
     arm.host_reads = 0
     replica.copy_(start)
-    run = lambda: arm.run(master, replica, encoded)  # noqa: E731
+    run = lambda: arm.run(master, replica, encoded)
     syncs = count_cuda_syncs(run) if master.device.type == "cuda" else run() and None
     return {"chunk_elements": arm.chunk, "chunks": -(-master.numel() // arm.chunk), "host_reads": arm.host_reads,
             "cuda_syncs": syncs}
@@ -165,9 +166,7 @@ def main(argv=None) -> dict:
     summary = measure(args.device, args.numel, args.repeats, " ".join(["python -m launch.bench_delta", *argv]))
     text = json.dumps(summary, indent=1)
     if args.out:
-        tmp = args.out.with_name(args.out.name + ".tmp")
-        tmp.write_text(text + "\n")
-        tmp.replace(args.out)
+        write_text_atomic(args.out, text + "\n")
     if args.json:
         print(text)
     else:

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from nshard.cli import SPELLING_NOTE, ArgumentParser
+from nshard.files import write_text_atomic
 from nshard.seam.launch_env import free_port
 from nshard.study.placement import emulated_hosts, emulation_unavailable
 
@@ -130,9 +131,7 @@ def main(argv=None) -> int:
         rows = {way: run_way(way, hosts["hosts"], args) for way in WAYS}
     body = {"link": args.link, "mib": args.mib, "repeats": args.repeats, "idle_s": args.idle_s, "seconds": rows}
     for name, text in (("bench_duplex.json", json.dumps(body, indent=1) + "\n"), ("bench_duplex.md", table(rows, args))):
-        tmp = out / (name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(out / name)
+        write_text_atomic(out / name, text)
     print(table(rows, args), end="")
     return 0
 

@@ -316,7 +316,7 @@ def summarize(raw: dict, rates: list[str]) -> dict:
         for arm in ARMS:
             rows = [[s for s in samples if s["rate"] == rate and s["arm"] == arm] for samples in by_rank]
             seconds = [max(pair) for pair in zip(*[[s["seconds"] for s in r] for r in rows])]
-            med = lambda key, r=rows[0]: (statistics.median(s[key] for s in r)  # noqa: E731
+            med = lambda key, r=rows[0]: (statistics.median(s[key] for s in r)
                                           if r and r[0][key] is not None else None)
             arms[arm] = {"median_update_s": statistics.median(seconds), "update_s": seconds,
                          "median_reduce_s_rank0": med("reduce_s"),

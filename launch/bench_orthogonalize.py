@@ -22,6 +22,7 @@ import torch
 from nshard.cli import SPELLING_NOTE, ArgumentParser
 from nshard.comm.layout import build_layout, p_group
 from nshard.comm.orthogonal import orthonormalize_
+from nshard.files import write_text_atomic
 
 MODELS = {  # transformers LlamaConfig keywords; tied embeddings, so no lm_head parameter
     "135m": ("SmolLM2-135M", dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
@@ -93,11 +94,7 @@ def write_json(path: str, summary: dict) -> None:
     if path == "-":
         print(text)
         return
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(target.name + ".tmp")
-    temporary.write_text(text + "\n")
-    temporary.replace(target)
+    write_text_atomic(Path(path), text + "\n")
 
 
 def build_parser() -> ArgumentParser:

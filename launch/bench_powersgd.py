@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 os.environ["OMP_NUM_THREADS"] = "1"  # before torch: two ranks x two OpenMP threads on two cores spin 50-200x slower
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-from nshard.cli import SPELLING_NOTE, ArgumentParser  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from nshard.cli import SPELLING_NOTE, ArgumentParser
 
 
 @dataclass(frozen=True)

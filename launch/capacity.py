@@ -28,10 +28,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-from nshard.cli import SPELLING_NOTE, ArgumentParser  # noqa: E402
-from nshard.analysis.memory_model import (DEFAULT_BASELINE_BYTES, GPUS, Config, capacity, measured_bytes,  # noqa: E402
+from nshard.cli import SPELLING_NOTE, ArgumentParser  # noqa: E402 -- after sys.path takes the checkout
+from nshard.analysis.memory_model import (DEFAULT_BASELINE_BYTES, GPUS, Config, capacity, measured_bytes,  # noqa: E402 -- after sys.path takes the checkout
                                           plan_peak, smollm2_1_7b)
-from launch.memory_probe import arm_ds_config, build_1_7b_shaped, parse_arm, run_capped, write_plan  # noqa: E402
+from launch.memory_probe import arm_ds_config, build_1_7b_shaped, parse_arm, run_capped, write_plan  # noqa: E402 -- after sys.path takes the checkout
 
 DEFAULT_CONFIGS = ("s0-dense-1r", "s2-dense", "s2-powersgd", "s1-dense", "s1-powersgd")
 
@@ -117,7 +117,7 @@ def render(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         run = r["run"] or {}
-        mib = lambda b: "n/a" if b is None else f"{b / 2**20:.1f}"  # noqa: E731
+        mib = lambda b: "n/a" if b is None else f"{b / 2**20:.1f}"
         one = ref.get((r["cap_bytes"], "bf16" in r["config"]))
         ratio = f"{r['params'] / one:.2f}x" if one else "n/a"
         lines.append("| " + " | ".join([

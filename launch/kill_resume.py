@@ -21,8 +21,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-from nshard.cli import SPELLING_NOTE, ArgumentParser  # noqa: E402
-from nshard.seam.launch_env import free_port  # noqa: E402
+from nshard.cli import SPELLING_NOTE, ArgumentParser  # noqa: E402 -- after sys.path takes the checkout
+from nshard.seam.launch_env import free_port  # noqa: E402 -- after sys.path takes the checkout
 POWERSGD = {"reducer": "powersgd", "rank": 4, "dense_warmup_updates": 1}
 
 

@@ -26,11 +26,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-from launch import zero_stages  # noqa: E402
-from nshard.cli import SPELLING_NOTE, ArgumentParser  # noqa: E402
-from launch.memcap import RankCaps, WRAPPER, warm_extensions  # noqa: E402
-from nshard.files import write_json_atomic  # noqa: E402
-from nshard.seam.launch_env import free_port, shm_workspace  # noqa: E402
+from launch import zero_stages  # noqa: E402 -- after sys.path takes the checkout
+from nshard.cli import SPELLING_NOTE, ArgumentParser  # noqa: E402 -- after sys.path takes the checkout
+from launch.memcap import RankCaps, WRAPPER, warm_extensions  # noqa: E402 -- after sys.path takes the checkout
+from nshard.files import rename_durably, write_json_atomic  # noqa: E402 -- after sys.path takes the checkout
+from nshard.seam.launch_env import free_port, shm_workspace  # noqa: E402 -- after sys.path takes the checkout
 
 ALL_ARMS = ("base", "s0-dense", "s0-powersgd", "s1-dense", "s1-powersgd", "s2-dense", "s2-powersgd")
 SMOLLM2_1_7B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=32,
@@ -111,7 +111,7 @@ tokenizer.save_pretrained(sys.argv[1])
 """
     tmp = out.with_name(out.name + ".tmp")
     subprocess.run([sys.executable, "-c", code, str(tmp)], check=True, cwd=REPO)
-    tmp.rename(out)
+    rename_durably(tmp, out)
     return out
 
 

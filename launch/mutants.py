@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from nshard.cli import SPELLING_NOTE, ArgumentParser
+from nshard.files import write_text_atomic
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -274,13 +275,9 @@ def plant_all(args: argparse.Namespace, tiers: list[str], mutants: list[Mutant],
     print("\n".join(table))
     print(f"mutants: {len(rows)} planted, {survived} survived a tier; {total / 60:.1f} min in all", flush=True)
     if args.record:
-        tmp = args.record.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1) + "\n")
-        tmp.replace(args.record)
-        md = args.record.with_suffix(".md")
-        md.with_suffix(".md.tmp").write_text(f"Mutants on {source}, {result['at']}, {total / 60:.1f} min:\n\n"
-                                             + "\n".join(table) + "\n")
-        md.with_suffix(".md.tmp").replace(md)
+        write_text_atomic(args.record, json.dumps(result, indent=1) + "\n")
+        write_text_atomic(args.record.with_suffix(".md"), f"Mutants on {source}, {result['at']}, "
+                          f"{total / 60:.1f} min:\n\n" + "\n".join(table) + "\n")
     return 1 if survived else 0
 
 

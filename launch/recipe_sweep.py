@@ -49,6 +49,7 @@ import sys
 import time
 from pathlib import Path
 from nshard.cli import SPELLING_NOTE, ArgumentParser
+from nshard.files import write_text_atomic
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -272,9 +273,7 @@ def choose_candidate(points: list[dict], max_retention: float, min_paired: float
 
 def write_record(record: Path, body: dict) -> None:
     record.parent.mkdir(parents=True, exist_ok=True)
-    tmp = record.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(body, indent=1) + "\n")
-    tmp.replace(record.with_suffix(".json"))
+    write_text_atomic(record.with_suffix(".json"), json.dumps(body, indent=1) + "\n")
     lines = [f"# CPU recipe sweep ({body['at']})", "", f"Base plan `{body['plan']}`, development seeds +"
              f"{body['dev_seed_offset']}, rule: {body['rule']}", "",
              "| point | status | seed correct | correct / cases | gain, points | retention upper, nats | active s "
@@ -311,9 +310,7 @@ def write_record(record: Path, body: dict) -> None:
                   + (f", paired vs control {paired['difference_points']:+.2f} points ({paired['discordant']} "
                      f"discordant), 99% interval [{paired['lower_points']:+.2f}, {paired['upper_points']:+.2f}]"
                      if paired else ""), ""]
-    tmp = record.with_suffix(".md.tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(record.with_suffix(".md"))
+    write_text_atomic(record.with_suffix(".md"), "\n".join(lines) + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

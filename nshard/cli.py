@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
-import math
-import re
 import sys
 from pathlib import Path
 
@@ -196,51 +194,9 @@ def _pinned(value: str, plan_path: Path, find_beside) -> str:
 
 # ---- TOML writing -----------------------------------------------------------------------------------------------
 
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-
-
 def toml_text(table: dict) -> str:
-    """A plan's table as TOML: top-level keys, then one [section] each, its lists of tables as [[section.key]]."""
-    lines = [f"{_key(k)} = {_value(v)}" for k, v in table.items() if not isinstance(v, dict)]
-    for name, section in ((k, v) for k, v in table.items() if isinstance(v, dict)):
-        lines += ["", f"[{_key(name)}]"]
-        arrays = {k: v for k, v in section.items() if _is_table_list(v)}
-        lines += [f"{_key(k)} = {_value(v)}" for k, v in section.items() if k not in arrays]
-        for key, items in arrays.items():
-            for item in items:
-                lines += ["", f"[[{_key(name)}.{_key(key)}]]"] + [f"{_key(k)} = {_value(v)}" for k, v in item.items()]
-    return "\n".join(lines) + "\n"
+    """A plan's table as TOML (tomli_w: top-level keys, then one [section] each, its lists of tables as
+    [[section.key]])."""
+    import tomli_w
 
-
-def _is_table_list(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
-
-
-def _key(key: str) -> str:
-    return key if _BARE_KEY.fullmatch(key) else _string(key)
-
-
-def _string(text: str) -> str:
-    escaped = "".join("\\" + c if c in '"\\' else f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c
-                      for c in text)
-    return f'"{escaped}"'
-
-
-def _value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        return repr(value) if math.isfinite(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, str):
-        return _string(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{_key(k)} = {_value(v)}" for k, v in value.items()) + "}"
-    if hasattr(value, "isoformat"):  # TOML's dates and times, as tomllib reads them
-        return value.isoformat()
-    raise TypeError(f"a plan value of type {type(value).__name__} cannot be written as TOML: {value!r}")
+    return tomli_w.dumps(table)

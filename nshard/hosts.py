@@ -33,6 +33,7 @@ import uuid
 from pathlib import Path
 
 from nshard.cli import SPELLING_NOTE, ArgumentParser, prog
+from nshard.log import log
 
 PACKAGES = ("torch", "deepspeed", "transformers")
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -363,9 +364,9 @@ def main(argv=None) -> int:
     try:
         problems = check(parsed.hostfile, parsed.out, parsed.device, parsed.plan)
     except (HostfileError, PlanError, OSError) as exc:
-        print(f"nshard: error: {exc}", file=sys.stderr)
+        log.error("%s", exc)
         return 2
-    for line in problems:
+    for line in problems:  # the preflight's report, one line per problem: printed as it is, not logged
         print(f"nshard: preflight: {line}", file=sys.stderr)
     say("every host agrees" if not problems else f"{len(problems)} problem(s); fix each line above and run it again")
     return 1 if problems else 0

@@ -16,10 +16,12 @@ replaces the directory) cannot remove it.
 from __future__ import annotations
 
 import datetime
+import errno
 import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 import threading
 import time
@@ -156,7 +158,7 @@ def acquire(out: Path, note: Callable[[str], None] = print) -> DirLock:
 
 def _open_locked(path: Path, out: Path) -> int:
     for _ in range(10):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = _open_own_file(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -171,6 +173,27 @@ def _open_locked(path: Path, out: Path) -> int:
             return fd
         os.close(fd)  # its holder removed it between our open and our lock: take the new one
     raise LockError(f"could not take the lock {path}: it kept being replaced; is another run starting on {out}?")
+
+
+def _open_own_file(path: Path) -> int:
+    """Open (or create) the lock file itself, never what a link there points at: the holder truncates and writes
+    it, so a link planted in a shared runs folder would have a run overwrite any file its user may write."""
+    fix = f"remove it (rm {path}) if no run of yours is using that --out, and start again"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise LockError(f"the lock file {path} is a symbolic link (to {os.readlink(path)}); nshard does not "
+                            f"write through links: {fix}") from None
+        raise LockError(f"cannot open the lock file {path}: {exc.strerror}; {fix}") from None
+    st = os.fstat(fd)
+    problem = ("is not a regular file" if not stat.S_ISREG(st.st_mode) else
+               f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})" if st.st_uid != os.geteuid() else
+               f"has {st.st_nlink} hard links (another name shares its contents)" if st.st_nlink != 1 else None)
+    if problem:
+        os.close(fd)
+        raise LockError(f"the lock file {path} {problem}; nshard does not write to it: {fix}")
+    return fd
 
 
 def _refuse_live_other_host(fd: int, record: dict, path: Path, out: Path) -> None:

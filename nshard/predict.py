@@ -260,7 +260,7 @@ def rank_forward_backward(run: ShortRun, index: int, hosts: int) -> float:
     if run.schedule is None or index >= len(run.schedule):
         return measured * run.world / hosts
     batch, mb = run.schedule[index], run.microbatch_docs
-    padded = lambda micro: len(micro) * max(run.lengths[i] for i in micro)  # noqa: E731
+    padded = lambda micro: len(micro) * max(run.lengths[i] for i in micro)
     mine = [m for m in deal(batch, run.lengths, run.world, mb)[0] if m]
     times = row["microbatch_s"][: len(mine)]
     per_token = math.fsum(times) / max(1, sum(padded(m) for m in mine))

@@ -14,9 +14,12 @@ from pathlib import Path
 if __package__ in (None, ""):  # launched as a script path: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nshard.cli import (SPELLING_NOTE, ArgumentParser, add_ds_config_arguments, add_plan_overrides,  # noqa: E402
+from nshard.cli import (SPELLING_NOTE, ArgumentParser, add_ds_config_arguments, add_plan_overrides,
                         ds_config_path, plan_with_overrides)
-from nshard.seam.launch_env import prepare_process_env  # noqa: E402
+from nshard.seam.launch_env import prepare_process_env
+
+IMPORT_FIX = ("install nshard with its dependencies (bash launch/setup.sh, or pip install -e .; on a lent GPU machine "
+              "the bundle: docs/gpu.md#the-offline-bundle)")
 
 
 EPILOG = """\
@@ -63,16 +66,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def import_error(exc: ImportError) -> str:
+    """One line for a package the trainer cannot import: which, why, and the fix."""
+    return f"nshard: error: cannot import {exc.name or 'a module'} ({exc}); {IMPORT_FIX}"
+
+
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    prepare_process_env()
-    from nshard.files import write_json_atomic
-    from nshard.run.data import DataError
-    from nshard.seam.ds_config import DsConfigError, load_ds_config, reducer_config
-    from nshard.run.plan import PlanError, load_plan
-    from nshard.run.start import find_start, grown_start
-    from nshard.run.state import find_resumable
-    from nshard.run.training import Run, RunError, check_memory, preflight, run_training
+    try:  # every package the run needs, before anything starts: one line naming the missing one
+        args = parse_args(argv)
+        prepare_process_env()
+        from nshard.files import write_json_atomic
+        from nshard.log import log
+        from nshard.run.data import DataError
+        from nshard.seam.ds_config import DsConfigError, load_ds_config, reducer_config
+        from nshard.run.plan import PlanError, load_plan
+        from nshard.run.start import find_start, grown_start
+        from nshard.run.state import find_resumable
+        from nshard.run.training import Run, RunError, check_memory, preflight, run_training
+        import nshard.analysis.memory_model  # noqa: F401 -- check_memory's, imported where it runs
+        import torch.distributed as dist
+        import transformers  # noqa: F401 -- the model's and tokenizer's, imported where they load
+
+        from nshard.comm import RanksDisagree
+        from nshard.seam.engine import init_distributed, require_deepspeed
+        require_deepspeed()  # imported where the engine is built: a missing one is named here, before anything runs
+        from nshard.run.receipts import mark
+        from nshard.run.device import cuda_available, dist_backend
+    except ImportError as exc:
+        print(import_error(exc), file=sys.stderr)
+        return 2
 
     try:  # bad input fails here, before any process group, run directory or model exists
         plan_path = plan_with_overrides(args.plan, args.set)  # the plan file itself, or one with the overrides
@@ -86,10 +108,11 @@ def main(argv=None) -> int:
         ds_config = load_ds_config(args.ds_config)
         reducer = reducer_config(ds_config)  # the "nshard" section, parsed once and passed on
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        dist_backend(cuda_available())  # NSHARD_DIST_BACKEND checked before any process group
         given_ds_config, ds_config = ds_config, preflight(plan, ds_config, world_size)  # completed from the plan, once
         if args.resolved_ds_config:
             write_json_atomic(args.resolved_ds_config, ds_config)
-            print(f"nshard: wrote {args.resolved_ds_config} (world size {world_size}); trained nothing")
+            log.info("wrote %s (world size %d); trained nothing", args.resolved_ds_config, world_size)
             return 0
         out = Path(args.out) if args.out else plan.run_dir()
         resume_from = (find_resumable(out, plan_path, Path(args.ds_config), world_size, args.elastic)
@@ -102,15 +125,8 @@ def main(argv=None) -> int:
             start = grown_start(start, args.grown)
         check_memory(plan, given_ds_config, ds_config, world_size, start)  # the predicted peak fits this device
     except (PlanError, DsConfigError, DataError, RunError, OSError, ValueError) as exc:
-        print(f"nshard: error: {exc}", file=sys.stderr)
+        log.error("%s", exc)
         return 2
-    import torch.distributed as dist
-
-    from nshard.comm import RanksDisagree
-    from nshard.seam.engine import init_distributed
-
-    from nshard.run.receipts import mark
-
     mark("imports and checks")
     init_distributed()
     mark("process group")
@@ -121,7 +137,7 @@ def main(argv=None) -> int:
         dist.barrier()
         return 0
     except (PlanError, DsConfigError, DataError, RunError, RanksDisagree, OSError) as exc:
-        print(f"nshard: error (rank {run.rank}): {exc}", file=sys.stderr)
+        log.error("%s", exc, extra={"rank": run.rank})
         return 2
     finally:  # without it, gloo ranks sometimes abort at exit ("terminate called without an active exception")
         dist.destroy_process_group()

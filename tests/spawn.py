@@ -9,7 +9,7 @@ import queue
 import time
 import traceback
 
-from nshard.seam.launch_env import free_port  # noqa: F401  (tests import it from here)
+from nshard.seam.launch_env import free_port  # tests import it from here
 
 
 PRELOAD = ["torch", "torch.distributed"]
@@ -34,7 +34,7 @@ def _child(fn, rank, world_size, port, args, results, backend="gloo", env=None):
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
         dist.barrier()
         dist.destroy_process_group()
-    except BaseException:
+    except BaseException:  # noqa: BLE001 -- handed to the parent, which names the rank
         results.put((rank, False, traceback.format_exc()))
 
 

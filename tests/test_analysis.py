@@ -134,7 +134,7 @@ def commit_study(root: Path, arms: list[dict]) -> None:
     seed_dir = root / "seed-model"
     seed_dir.mkdir(exist_ok=True)
     (seed_dir / "model.safetensors").write_text("seed weights")
-    entry = lambda name, d: {"name": name, "model_dir": str(d), "files": model_files(d)}  # noqa: E731
+    entry = lambda name, d: {"name": name, "model_dir": str(d), "files": model_files(d)}
     body = {"kind": "nshard-commitment", "version": 1, "source": {"commit": "abc", "dirty": False},
             "seed": entry("seed", seed_dir),
             "candidates": [{**entry(a["name"], Path(a["run_dir"]) / "model"), "parameter_root": f"root-{a['name']}"}
@@ -616,7 +616,7 @@ def test_the_power_agrees_with_simulated_screens_and_names_the_cases_that_reach_
     assert equal_pass_probability(needed, p, -3.0, 0.99) >= 0.90 > equal_pass_probability(needed - 1, p, -3.0, 0.99)
     low = declared_power(n, p, -3.0, 0.99)
     assert low["equal_pass_probability"] < 0.80 and low["cases_for_90"] == needed
-    assert low["note"].startswith(f"underpowered: a candidate equal to its control passes only") and str(needed) in low["note"]
+    assert low["note"].startswith("underpowered: a candidate equal to its control passes only") and str(needed) in low["note"]
     assert declared_power(n, 0.0, -3.0, 0.99)["equal_pass_probability"] is None
 
 

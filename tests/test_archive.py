@@ -291,7 +291,7 @@ def test_a_dirty_tree_is_archived_as_commit_plus_its_exact_diff(tmp_path):
     shutil.copytree(tmp_path / "x" / "source", rebuilt)
     subprocess.run(["git", "apply", "--binary", str(tmp_path / "x" / "source.diff")], cwd=rebuilt, check=True)
     shutil.copytree(tmp_path / "x" / "source-untracked", rebuilt, dirs_exist_ok=True)
-    tree = lambda d: {p.relative_to(d).as_posix(): p.read_bytes() for p in d.rglob("*")  # noqa: E731
+    tree = lambda d: {p.relative_to(d).as_posix(): p.read_bytes() for p in d.rglob("*")
                       if p.is_file() and ".git" not in p.parts and p.suffix != ".log"}
     assert tree(rebuilt) == tree(repo)
 

@@ -11,8 +11,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from nshard.analysis.memory_model import Config, compression, phases, predict, smollm2_1_7b  # noqa: E402
-from runs import leftover_shm_workspaces, shm_workspaces  # noqa: E402
+from nshard.analysis.memory_model import Config, compression, phases, predict, smollm2_1_7b  # noqa: E402 -- after sys.path takes the checkout
+from runs import leftover_shm_workspaces, shm_workspaces  # noqa: E402 -- after sys.path takes the checkout
 
 
 def test_compression_matches_the_reducers_layout():
@@ -27,7 +27,7 @@ def test_compression_matches_the_reducers_layout():
 
 def test_pooling_shrinks_the_optimizer_and_the_ingest_path_pays_it_back():
     shapes = smollm2_1_7b(4)
-    parts = lambda **kw: predict(shapes, Config(**kw))["parts_per_param"]  # noqa: E731
+    parts = lambda **kw: predict(shapes, Config(**kw))["parts_per_param"]
     assert parts(stage=0, world=1)["optimizer"] == 8
     assert parts(stage=2, world=4)["optimizer"] == 2
     summed = predict(shapes, Config(stage=2, reducer="powersgd", world=2))

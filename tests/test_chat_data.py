@@ -107,8 +107,8 @@ def forged_heldout_and_answer_fail_regeneration(tmp_path: Path, run: Path, valid
     from nshard.study.evaluate import exact_match, heldout_summary
 
     tok = load_tokenizer(resolve_model("tiny"))
-    lines = lambda path: [json.loads(x) for x in path.read_text().splitlines() if x.strip()]  # noqa: E731
-    write = lambda path, rows: path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # noqa: E731
+    lines = lambda path: [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    write = lambda path, rows: path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     forged = tmp_path / "forged-heldout"
     shutil.copytree(tmp_path / "parquet", forged)

@@ -9,7 +9,7 @@ from nshard.comm import ConfigError, build_reducer, validate_config
 GOOD = {"reducer": "powersgd", "rank": 32, "dense_warmup_updates": 8, "min_compression_rate": 2,
         "error_feedback": "device", "warm_start": True, "seed": 0, "transport": "torch", "microbatch_sums": "exact",
         "parameter_sync": "dense", "delta_bits": 4, "delta_block": 256, "orthogonalization": "auto",
-        "overlap_backward": False}
+        "overlap_backward": False, "tf32": False}
 
 
 def test_validate_returns_the_section_with_defaults_filled():
@@ -27,6 +27,7 @@ def test_validate_returns_the_section_with_defaults_filled():
     ("error_feedback", "cpu"), ("transport", "nccl"), ("reducer", "topk"), ("reducer", None),
     ("warm_start", "true"), ("warm_start", 1), ("seed", -1), ("seed", 1.5), ("microbatch_sums", "fold"),
     ("orthogonalization", "qr"), ("orthogonalization", None), ("overlap_backward", "yes"), ("overlap_backward", 1),
+    ("tf32", "yes"), ("tf32", 1),
 ])
 def test_bad_value_names_the_key_and_the_fix(key, value):
     with pytest.raises(ValueError, match=rf"nshard\.{key} is .*; (set|remove)") as caught:

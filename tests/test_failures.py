@@ -1,7 +1,6 @@
 """Failures found after the process group starts: every rank stops with one error, none waits, nothing half-made."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

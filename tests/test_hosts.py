@@ -220,7 +220,6 @@ def test_up_refuses_more_cores_than_the_machine_has(user_ssh_config):
 def test_a_study_with_emulated_placement_runs_each_arm_as_the_reference_did(user_ssh_config, tmp_path):
     """The tiny study on two emulated hosts (a core each, a 1gbit link): the one-rank arm on the first host,
     the two-rank arms across both, each rank on its own core; the speed screen compares them; nothing left."""
-    import sys
 
     assert not what_is_left(), "another emulated pair is up: run launch/hosts.sh down"
     (tmp_path / "dense.json").write_text(json.dumps(tiny_config("dense")))
@@ -277,7 +276,6 @@ def test_without_root_an_emulated_placement_runs_locally_and_says_the_speed_scre
     """describe() run as an unprivileged user (setpriv to nobody): the arms would run on this machine, and the
     placement says the speed screen is not comparable, and why."""
     import shutil
-    import sys
 
     require(shutil.which("setpriv") is not None, "no setpriv")
     plan = (REPO / "launch/plans/tiny.toml").read_text() + '\n[study]\nplacement = "emulated"\nlink = "1gbit"\n'

@@ -174,7 +174,8 @@ def test_response_tokens_carry_the_weight_and_prompts_none():
     ("first_cohort_share = 1.5", "cohort.first_cohort_share=1.5 must lie in [0, 1]"),
     ("first_cohort_eval_cases_per_family = -1", "cohort.first_cohort_eval_cases_per_family=-1"),
     ("form = 'runs/x'", "unknown plan key cohort.form: known keys are dense_warmup, first_cohort_eval_cases_per_family, "
-                        "first_cohort_share, from, screen_min_accuracy, start"),
+                        "first_cohort_response_weight, first_cohort_share, from, replay_cases, screen_min_accuracy, "
+                        "start"),
 ])
 def test_a_bad_cohort_section_names_the_key(tmp_path, cohort, fragment):
     msg = train_cli(tmp_path, TINY + f"\n[cohort]\n{cohort}\n")
@@ -195,9 +196,12 @@ def test_a_cohort_plan_without_arms_trains_the_candidate_and_a_no_replay_control
 
 def test_the_cohort_plan_loads_with_its_study_found_from_the_checkout():
     plan = load_plan(REPO / "launch/plans/cpu-cohort.toml")
-    assert plan.cohort.enabled and plan.cohort.start == "state" and plan.cohort.first_cohort_share == 0.25
+    assert plan.cohort.enabled and plan.cohort.start == "state" and plan.cohort.replay_cases == {"lookup": 48}
     assert plan.data.families == ("cheapest", "acronym") and plan.cohort.from_study.endswith("runs/cpu-study")
-    assert [(a.name, a.replay) for a in plan.study.arms] == [("powersgd", True), ("no-replay", False)]
+    assert [(a.name, a.replay, a.interpolate) for a in plan.study.arms] == [
+        ("powersgd", True, ""), ("interpolated", True, "powersgd"), ("no-replay", False, ""),
+        ("no-replay-interpolated", True, "no-replay")]
+    assert plan.study.candidate == "interpolated" and plan.data.heldout_retention_docs == 64
     assert not load_plan(REPO / "launch/plans/tiny.toml").cohort.enabled
 
 

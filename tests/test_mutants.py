@@ -11,7 +11,7 @@ import pytest
 from runs import REPO
 
 sys.path.insert(0, str(REPO / "launch"))
-import mutants  # noqa: E402
+import mutants
 
 
 def test_every_mutant_still_matches_its_code_once():

@@ -361,13 +361,13 @@ def test_the_ingest_seam_with_overlap_trains_the_same_bits(runs_root, case):
     plan = REPO / "launch/plans/tiny.toml"
     overlap = runs_root / f"overlap-{case}"
     if case == "bf16-stage0":
-        config = lambda section: tiny_config(stage=0, nshard=section, bf16=True)  # noqa: E731
+        config = lambda section: tiny_config(stage=0, nshard=section, bf16=True)
         plain = cached_run(runs_root, "psgd-z0-bf16", config(SECTION))  # test_reducer_engine.py's bf16 run
     else:
         plan = runs_root / "tiny-one-microbatch-overlap.toml"
         plan.write_text((REPO / "launch/plans/tiny.toml").read_text().replace("microbatch_docs = 2",
                                                                              "microbatch_docs = 3"))
-        config = lambda section: tiny_config(stage=2, nshard=section)  # noqa: E731
+        config = lambda section: tiny_config(stage=2, nshard=section)
         plain = runs_root / f"overlap-{case}-plain"
         launch(plain, config(SECTION), plan=plan)
     launch(overlap, config({**SECTION, "overlap_backward": True}), plan=plan)

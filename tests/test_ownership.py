@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -179,3 +180,48 @@ def test_another_hosts_lock_refuses_while_its_heartbeat_lives_and_is_taken_over_
                          "stopped"]
         assert json.loads(path.read_text())["pid"] == os.getpid() and owned.took_over["host"] == "node-b"
     assert not path.exists() and not out.exists()
+
+
+def test_a_link_planted_as_the_lock_file_is_refused_and_its_target_untouched(tmp_path):
+    """Anyone who can write a shared runs folder could plant PARENT/.NAME.lock as a link to a file of the user who
+    runs there: the holder truncates and writes its lock file, so the lock must not follow it."""
+    from nshard import lock
+
+    victim = tmp_path / "elsewhere" / "precious.txt"
+    victim.parent.mkdir()
+    victim.write_text("precious\n")
+    out = tmp_path / "runs" / "run"
+    out.parent.mkdir()
+    path = lock.lock_path(out)
+    path.symlink_to(victim)
+    with pytest.raises(lock.LockError) as refused:
+        lock.acquire(out)
+    message = str(refused.value)
+    print(f"refusal: {message}")
+    assert message == (f"the lock file {path} is a symbolic link (to {victim}); nshard does not write through links: "
+                       f"remove it (rm {path}) if no run of yours is using that --out, and start again")
+    assert victim.read_text() == "precious\n" and path.is_symlink() and not out.exists()
+    path.unlink()  # the fix the message names
+    with lock.acquire(out):
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert victim.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("plant,problem", [
+    (lambda path, victim: os.link(victim, path), "has 2 hard links (another name shares its contents)"),
+    (lambda path, victim: os.mkfifo(path), "is not a regular file"),
+    (lambda path, victim: path.mkdir(), "cannot open the lock file"),
+    (lambda path, victim: (path.write_text(""), os.chown(path, 65534, 65534)), "is owned by uid 65534, not by this user"),
+])
+def test_a_lock_file_that_is_not_a_plain_file_of_ours_is_refused(tmp_path, plant, problem):
+    from nshard import lock
+
+    victim = tmp_path / "precious.txt"
+    victim.write_text("precious\n")
+    out = tmp_path / "run"
+    if "owned by" in problem and os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    plant(lock.lock_path(out), victim)
+    with pytest.raises(lock.LockError, match=rf"{re.escape(problem)}.*remove it \(rm {re.escape(str(lock.lock_path(out)))}\)"):
+        lock.acquire(out)
+    assert victim.read_text() == "precious\n" and not out.exists()

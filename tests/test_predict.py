@@ -161,7 +161,7 @@ def test_the_link_is_read_from_bench_links_dense_arm(tmp_path):
     assert link.concurrent_compute == 1.0 and "local arm over its one arm 1.25x" in link.source
     assert p.link_from_bench(path, None, 1e-8, 0.0, concurrent_compute=1.3).concurrent_compute == 1.3
     # With the raw samples beside it, each round's faster rank counts (the slower rank's wait is not the link).
-    samples = lambda seconds: [{"rate": "1gbit", "arm": "dense", "reduce_s": s} for s in seconds]  # noqa: E731
+    samples = lambda seconds: [{"rate": "1gbit", "arm": "dense", "reduce_s": s} for s in seconds]
     (tmp_path / "135m.raw.json").write_text(json.dumps({"samples_by_rank": [samples([0.6, 2.0, 0.9]),
                                                                              samples([0.9, 0.7, 0.6])]}))
     assert p.link_from_bench(path, "1gbit", 0.0, 0.0).bits_per_s == pytest.approx(10_000_000 * 8 / 0.6)

@@ -13,7 +13,7 @@ from runs import REPO, run_env
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from launch.recipe_sweep import candidate_ds_config, choose_candidate, lost_cases  # noqa: E402
+from launch.recipe_sweep import candidate_ds_config, choose_candidate, lost_cases
 
 
 def point(warmups, rank, lower, retention=-0.1, status="complete", offset=400):

@@ -327,14 +327,20 @@ def test_a_cohort_from_the_weights_starts_a_fresh_optimizer(accepted, tmp_path):
 
 
 def test_a_cohort_study_on_the_tiny_model_runs_end_to_end_and_checks_its_provenance(accepted, tmp_path):
-    """The runner on a cohort plan: accepted, the candidate and a no-replay control trained from the state, committed
-    with the accepted candidate as their seed, scored, validated and judged on the cohort's screens; an edited link of
-    the chain stops the analysis."""
+    """The runner on a cohort plan: accepted, the candidate and a no-replay control trained from the state, an arm
+    interpolated between the accepted checkpoint and the candidate, all committed with the accepted candidate as their
+    seed, scored (held-out retention documents beside the exposed ones), validated and judged on the cohort's screens;
+    an edited link of the chain stops the analysis."""
     ds = study_ds_config(accepted)
     arm = (f'\n[[study.arms]]\nname = "powersgd"\nranks = 2\nds_config = "{ds}"\n'
-           f'\n[[study.arms]]\nname = "no-replay"\nranks = 2\nds_config = "{ds}"\nreplay = false\n')
-    plan = cohort_plan(tmp_path, accepted)
-    plan.write_text(plan.read_text() + '\n[study]\ncandidate = "powersgd"\nspeed_baseline = "powersgd"\n'
+           f'\n[[study.arms]]\nname = "no-replay"\nranks = 2\nds_config = "{ds}"\nreplay = false\n'
+           '\n[[study.arms]]\nname = "mix"\ninterpolate = "powersgd"\nalpha = 0.75\n')
+    # replay by family: every screened family whole (the accepted study answered each at least 0%: all are
+    # screened), each replayed response token weighing 3
+    plan = cohort_plan(tmp_path, accepted, extra='first_cohort_response_weight = 3.0\n[cohort.replay_cases]\n'
+                       'lookup = 6\nfiltering = 6\nsorting = 6\ninvoice = 6\n')
+    plan.write_text(plan.read_text().replace("retention_docs = 4\n", "retention_docs = 4\nheldout_retention_docs = 3\n")
+                    + '\n[study]\ncandidate = "powersgd"\nspeed_baseline = "powersgd"\n'
                     'eval_max_new_tokens = 12\n' + arm)
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "nshard.study", "--plan", str(plan), "--out", str(out)], cwd=REPO,
@@ -351,7 +357,53 @@ def test_a_cohort_study_on_the_tiny_model_runs_end_to_end_and_checks_its_provena
     names = [c["name"] for c in results["screens"]["quality"]["conditions"]]
     assert names == ["new-task accuracy gain over the accepted checkpoint, points",
                      "first-cohort paired 99% lower bound vs the accepted checkpoint, points",
-                     "retention-change 99% upper bound vs the accepted checkpoint, nats"]
+                     "retention-change 99% upper bound vs the accepted checkpoint, nats",
+                     "held-out retention-change 99% upper bound vs the accepted checkpoint, nats"]
+    # Replay by family: the counts and the weight recorded in the sets, each replayed case trained at weight 3.
+    sets = json.loads((out / "arms/powersgd/prepared/sets.json").read_text())
+    assert sets["cohort"]["first_cohort_replay_counts"] == {"lookup": 6, "filtering": 6, "sorting": 6, "invoice": 6}
+    docs = {d["doc_id"]: d for d in map(json.loads, (out / "arms/powersgd/prepared/documents.jsonl").read_text()
+                                        .splitlines())}
+    replayed = sets["cohort"]["first_cohort_replay_ids"]
+    assert len(replayed) == 24 and {max(docs[i]["weights"]) for i in replayed} == {3.0}
+    assert {max(d["weights"]) for d in docs.values() if d["kind"] == "task" and d["doc_id"] not in replayed} == {1.0}
+    # Held-out retention documents: prepared, never in the schedule, scored and validated like the exposed ones.
+    held = sets["retention_heldout_ids"]
+    order = list(docs)
+    scheduled = {order[i] for batch in json.loads((out / "arms/powersgd/prepared/schedule.json").read_text())
+                 for i in batch}
+    assert len(held) == 3 and not set(held) & scheduled and {docs[i]["kind"] for i in held} == {"retention-heldout"}
+    for label in ("powersgd", "no-replay", "mix"):
+        rows = read_jsonl(out / "eval" / label / "retention_heldout.jsonl")
+        assert [r["doc_id"] for r in rows] == held and all("change_nats_per_token" in r for r in rows)
+        assert results["arms"][[a["name"] for a in results["arms"]].index(label)]["retention_heldout"]["docs"] == 3
+    assert set(json.loads((out / "validation.json").read_text())["evaluations"]["mix"]
+               ["retention_heldout_docs_checked"]) == set(held)
+    report_text = (out / "report.md").read_text()
+    assert "| Approximate 99% upper held-out retention bound |" in report_text
+    assert "first-cohort training cases replayed by the candidate: lookup 6, filtering 6, sorting 6, invoice totals 6;" \
+        " each response token weighs 3" in report_text
+    # The interpolated arm: every parameter lerp(accepted, candidate, 0.75) in fp32, in the candidate's dtype; it
+    # trained nothing, so its execution is the candidate's plus the interpolation, and the commitment binds it.
+    import torch
+
+    from transformers import AutoModelForCausalLM
+
+    def params(path):
+        return dict(AutoModelForCausalLM.from_pretrained(path, dtype="auto", local_files_only=True).named_parameters())
+    start, trained, mixed = (params(p) for p in (accepted / "arms/powersgd/model", out / "arms/powersgd/model",
+                                                   out / "arms/mix/model"))
+    for name, p in mixed.items():
+        want = torch.lerp(start[name].float(), trained[name].float(), 0.75).to(trained[name].dtype)
+        assert p.dtype == trained[name].dtype and torch.equal(p.detach(), want.detach()), name
+    mix = next(a for a in results["arms"] if a["name"] == "mix")
+    cand = next(a for a in results["arms"] if a["name"] == "powersgd")
+    assert mix["interpolated"]["from"] == "powersgd" and mix["execution"]["derived_from"] == "powersgd"
+    assert mix["execution"]["complete_process_s"] == pytest.approx(cand["execution"]["complete_process_s"]
+                                                                   + mix["interpolated"]["seconds"])
+    assert "mix" in [c["name"] for c in load_commitment(out / "commitment.json")["candidates"]]
+    assert "| Made from (interpolated: its training is that arm's) | trained | trained | powersgd, alpha 0.75" \
+        in report_text
     assert isinstance(results["screens"]["quality"]["passed"], bool)
     assert json.loads((out / "validation.json").read_text())["passed"]
     families = {r["family"] for r in read_jsonl(out / "eval/powersgd/cases.jsonl")}
@@ -360,9 +412,16 @@ def test_a_cohort_study_on_the_tiny_model_runs_end_to_end_and_checks_its_provena
     control = json.loads((out / "arms/no-replay/prepared/sets.json").read_text())["cohort"]
     assert control["first_cohort_replay_ids"] == [] and json.loads((out / "arms/no-replay/run.json").read_text())[
         "replay"] is False
-    trained = {json.loads(line)["kind"] for line in (out / "arms/no-replay/prepared/documents.jsonl").read_text().splitlines()}
-    assert trained == {"task"}
-    assert [c["control"] for c in results["comparisons"]] == ["no-replay"]
+    kinds = [json.loads(line)["kind"] for line in (out / "arms/no-replay/prepared/documents.jsonl").read_text().splitlines()]
+    scheduled = {i for batch in json.loads((out / "arms/no-replay/prepared/schedule.json").read_text()) for i in batch}
+    assert {kinds[i] for i in scheduled} == {"task"} and set(kinds) == {"task", "retention-heldout"}
+    # validation rebuilds a no-replay arm's inputs without the replay, as it trained (a study whose reference arm it is)
+    from nshard.study.validate import rebuild_prepared
+
+    tokenizer = load_tokenizer(resolve_model(str(accepted / "arms/powersgd/model")))
+    assert rebuild_prepared(out / "arms/no-replay", None, tokenizer)["prepared_identity"] == json.loads(
+        (out / "arms/no-replay/run.json").read_text())["prepared_identity"]
+    assert [c["control"] for c in results["comparisons"]] == ["no-replay", "mix"]
     assert "second cohort: first seed files" in (out / "report.md").read_text()
     body = json.loads((out / "study.json").read_text())
     body["cohort"]["candidate_parameter_root"] = "0" * 64

@@ -16,8 +16,8 @@ from safetensors.numpy import save_file
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from nshard.analysis.zero_table import TableError, load_weights, main, write_table  # noqa: E402
-from spawn import run_ranks  # noqa: E402
+from nshard.analysis.zero_table import TableError, load_weights, main, write_table  # noqa: E402 -- after sys.path takes the checkout
+from spawn import run_ranks  # noqa: E402 -- after sys.path takes the checkout
 
 ROOT_A, ROOT_B = "a" * 64, "b" * 64
 

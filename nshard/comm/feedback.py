@@ -7,6 +7,7 @@ from typing import Iterable, Mapping
 import torch
 
 from nshard.comm.layout import MatrixSlot
+from nshard.comm.numerics import ERROR_MEMORY_DTYPE
 
 
 class ErrorMemory:
@@ -36,9 +37,10 @@ class ErrorMemory:
                 continue
             error = self.tensors.get(slot.name)
             if error is None:
-                self.tensors[slot.name] = torch.zeros(slot.n, slot.m, device=home, pin_memory=pinned)
+                self.tensors[slot.name] = torch.zeros(slot.n, slot.m, dtype=ERROR_MEMORY_DTYPE, device=home,
+                                                      pin_memory=pinned)
             elif error.device != home or (pinned and not error.is_pinned()):
-                moved = error.to(home, torch.float32)
+                moved = error.to(home, ERROR_MEMORY_DTYPE)
                 self.tensors[slot.name] = moved.pin_memory() if pinned else moved
         for param, slots in stacks.items():
             self._ensure_block(param, slots, home, pinned)
@@ -47,7 +49,8 @@ class ErrorMemory:
         block = self.blocks.get(param)
         if block is not None and block.device == home and (block.is_pinned() or not pinned):
             return
-        block = torch.zeros(len(slots), slots[0].n, slots[0].m, device=home, pin_memory=pinned)
+        block = torch.zeros(len(slots), slots[0].n, slots[0].m, dtype=ERROR_MEMORY_DTYPE, device=home,
+                            pin_memory=pinned)
         for slot in slots:  # a loaded (or moved) error goes into its place in the block
             if slot.name in self.tensors:
                 block[slot.index].copy_(self.tensors[slot.name])
@@ -57,7 +60,7 @@ class ErrorMemory:
 
     def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Take fp32 copies of saved (n, m) errors; ensure() moves them home once the device is known."""
-        self.tensors = {name: t.detach().to(torch.float32, copy=True) for name, t in tensors.items()}
+        self.tensors = {name: t.detach().to(ERROR_MEMORY_DTYPE, copy=True) for name, t in tensors.items()}
         self.blocks = {}
 
     def accumulate(self, name: str, grad_2d: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ from nshard.comm.dense import (InFlight, ShapeRegistry, abandon, all_reduce_mean
 from nshard.comm.feedback import DeviceErrorMemory, ErrorMemory, build_error_memory
 from nshard.comm.layout import Layout, MatrixSlot, build_layout, check_same_shapes, p_block, p_group, q_block
 from nshard.comm.ledger import ByteLedger
+from nshard.comm.numerics import PinnedMatmuls, pinned
 from nshard.comm.orthogonal import orthonormalize_, resolve
 from nshard.comm.transport import Transport
 from nshard.phases import phase, timed
@@ -48,9 +49,12 @@ class PowerSGDState:
     updates: int = 0
     # Set by the engine seam, not saved: the dtype the optimizer receives each gradient in.
     delivered_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    matmuls: PinnedMatmuls = field(default_factory=lambda: PinnedMatmuls(False))
+    """The precision of every matmul below (nshard.tf32; full fp32 by default, whatever torch's global setting)."""
     # Statistics.
     ledger: ByteLedger = field(default_factory=ByteLedger)
     orthogonal_fallbacks: int = 0  # matrices CholeskyQR2 handed to Householder QR (not saved)
+    orthogonalized: int = 0  # matrices orthogonalized by either method (not saved)
 
 
 def as_matrix(grad: torch.Tensor) -> torch.Tensor:
@@ -69,6 +73,7 @@ def draw_q(generator: torch.Generator, numel: int, device: torch.device) -> torc
 
 
 @timed("powersgd_pq")
+@pinned
 def compute_p(state: PowerSGDState, grads: Mapping[str, torch.Tensor], slots: Sequence[MatrixSlot] | None = None) -> None:
     """P = M Q for every compressed matrix (or those of `slots`), each written into its block of the flat P buffer."""
     for slot in state.layout.matrices if slots is None else slots:
@@ -77,6 +82,7 @@ def compute_p(state: PowerSGDState, grads: Mapping[str, torch.Tensor], slots: Se
 
 
 @timed("orthogonalize")
+@pinned
 def orthogonalize(state: PowerSGDState) -> None:
     """Orthonormal columns for every summed P, batched per shape group (nshard/comm/orthogonal.py).
 
@@ -87,9 +93,11 @@ def orthogonalize(state: PowerSGDState) -> None:
     method = resolve(state.orthogonalization, state.p_flat.device)
     stacks = [p_group(state.p_flat, group) for group in state.layout.groups]
     state.orthogonal_fallbacks += orthonormalize_(stacks, method)
+    state.orthogonalized += sum(len(stack) for stack in stacks)
 
 
 @timed("powersgd_pq")
+@pinned
 def compute_q(state: PowerSGDState, grads: Mapping[str, torch.Tensor]) -> None:
     """Q = Mᵀ P (P orthonormal), each written into its block of the flat Q buffer."""
     for slot in state.layout.matrices:
@@ -119,6 +127,7 @@ def update_error(state: PowerSGDState, slot: MatrixSlot, m: torch.Tensor, grad: 
     state.errors.settle(slot.name, m, as_matrix(grad))
 
 
+@pinned
 def decompress_all(state: PowerSGDState, grads: Mapping[str, torch.Tensor]) -> None:
     for slot in state.layout.matrices:
         grad = unit_grad(grads, slot)
@@ -234,6 +243,10 @@ class SummedUpdate:
         if self.warmup:
             return self.errors[name]  # the average, in place; zeroed by finish()
         state = self.reducer.state
+        with state.matmuls:
+            return self._output(state, name)
+
+    def _output(self, state: PowerSGDState, name: str) -> torch.Tensor:
         slots = self.slots[name]
         if slots[0].index is None:
             slot = slots[0]
@@ -342,6 +355,7 @@ class PowerSGDReducer:
             orthogonalization=config.orthogonalization,
             generator=torch.Generator(device="cpu").manual_seed(config.seed),
             errors=build_error_memory(config.error_feedback),
+            matmuls=PinnedMatmuls(config.tf32),
         )
 
     @property

@@ -38,12 +38,11 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 from pathlib import Path, PurePosixPath
 
 from nshard.cli import SPELLING_NOTE, ArgumentParser, prog
 from nshard.evidence.export import entry_kind
-from nshard.files import first_difference, staged_dir
+from nshard.files import first_difference, staged_dir, write_bytes_atomic
 
 INDEX = "index.json"
 FORMAT = "nshard-evidence/2"
@@ -246,8 +245,8 @@ def create(archive: Path, dirs: list[Path], extras: list[Path] = (), repo: Path 
     index = index_bytes({**body, "study": study} if study else body)
     data = canonical_tar(index, members)
     digest = sha256(data)
-    _write_atomic(archive, data)
-    _write_atomic(sidecar(archive), f"{digest}  {archive.name}\n".encode())
+    write_bytes_atomic(archive, data)
+    write_bytes_atomic(sidecar(archive), f"{digest}  {archive.name}\n".encode())
     return {"archive": str(archive), "sha256": digest, "members": len(members), "bytes": len(data)}
 
 
@@ -259,20 +258,6 @@ def create_study_archive(study_dir: Path, repo: Path | None = REPO) -> dict:
 
 def sidecar(archive: Path) -> Path:
     return Path(f"{archive}.sha256")
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-            os.fchmod(f.fileno(), 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def check_member(info: tarfile.TarInfo) -> None:

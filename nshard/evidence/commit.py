@@ -54,6 +54,8 @@ def candidate_entry(name: str, run_dir: Path) -> dict:
         raise CommitError(f"candidate {name}: {run_json} says status={run.get('status')!r}, not complete; "
                           "only finished runs can be committed")
     roots = {json.loads(p.read_text())["parameter_root"] for p in sorted((run_dir / "receipts").glob("rank-*.json"))}
+    if run.get("interpolated"):  # made, not trained (nshard/study/derived.py): no rank, so no receipt; its manifest
+        roots = {verify_manifest(run_dir / "model")["parameter_root"]}  # and run.json must name one root
     if roots != {run["parameter_root"]}:
         raise CommitError(f"candidate {name}: the receipts' parameter roots {sorted(roots)} differ from run.json's")
     try:  # the export must still be what the trainer sealed
@@ -66,6 +68,7 @@ def candidate_entry(name: str, run_dir: Path) -> dict:
             "prepared_identity": run["prepared_identity"], "world_size": run["world_size"],
             "replay": run.get("replay", True),
             "zero_stage": run.get("zero_stage"), "reducer": run.get("reducer"),
+            **({"interpolated": run["interpolated"]} if run.get("interpolated") else {}),
             **({"budget": run["budget"]} if run.get("budget") else {})}
 
 

@@ -26,7 +26,7 @@ from typing import Iterator
 
 from nshard.cli import SPELLING_NOTE, ArgumentParser, prog
 from nshard.evidence.backend import Backend, BadInput, FileSink, MemorySink, Sink, StoreError, hash_into
-from nshard.files import file_chunks, file_sha256, staged_dir
+from nshard.files import file_chunks, file_sha256, fsync_dir, staged_dir
 
 INDEX = "index.json"
 INDEX_FORMAT = "nshard-store/1"
@@ -74,6 +74,7 @@ class LocalBackend:
                 os.link(tmp, path)  # unlike rename, link refuses an existing name: no key is ever replaced
             except FileExistsError:
                 return False  # another writer got there first; the caller reads the key back either way
+            fsync_dir(path.parent)
             self.written[key] = path.stat().st_ino
             return True
         finally:

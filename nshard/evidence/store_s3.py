@@ -173,7 +173,7 @@ class S3Backend:
     def _abort(self, where: dict, upload_id: str) -> None:
         try:  # best effort: a dangling upload holds storage but is never visible as an object
             self.client.abort_multipart_upload(**where, UploadId=upload_id)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 -- best effort, as the line above says
             pass
 
     def delete(self, key: str) -> None:

@@ -117,7 +117,7 @@ def _load(path: Path, key: str):
         elif path.suffix in FORMATS:
             try:
                 table = datasets.load_dataset(FORMATS[path.suffix], data_files=str(path), split="train", cache_dir=tmp)
-            except Exception as exc:  # datasets wraps arrow's parse errors in its own
+            except Exception as exc:  # noqa: BLE001 -- datasets wraps arrow's parse errors in its own
                 raise DataError(_unreadable(path, key, exc)) from None
         else:
             raise DataError(f"{key} {path}: give a .jsonl, .json or .parquet file or a save_to_disk directory "

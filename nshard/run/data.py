@@ -258,15 +258,18 @@ def write_prepared(out: Path, docs: list[Document], prepared: list[Prepared], sc
     write_json_atomic(out / "identity.json", {"prepared_identity": identity})
 
 
-def prepare(plan: Plan, tokenizer, replay: list[Document], with_replay: bool = True, chat=None
-            ) -> tuple[list[Document], list[Prepared], list[list[int]], dict, str]:
+def prepare(plan: Plan, tokenizer, replay: list[Document], with_replay: bool = True, chat=None,
+            retention_heldout: list[Document] = ()) -> tuple[list[Document], list[Prepared], list[list[int]], dict, str]:
     """Build the training documents, tokenize them and fix the schedule; returns (docs, prepared, schedule, sets, identity).
     A second cohort ([cohort]) adds its share of the first cohort's training cases to training, fresh cases of the
     first cohort's families to evaluation, and what it continues from to the sets (so the identity covers them).
     with_replay=False (a no-replay control; `replay` is then empty): none of the first cohort's cases either.
     chat: the plan's own conversations (nshard.run.chat.chat_data), given exactly when data.chat_train is set; its
     training rows join the task cases, its held-out rows follow every training document (the schedule never
-    names them) and its files' hashes join the sets."""
+    names them) and its files' hashes join the sets.
+    retention_heldout: the held-out retention documents (nshard.run.replay.heldout_retention_documents), given exactly
+    when data.heldout_retention_docs is set; they follow every training document too, never trained: a DataError
+    names one whose id or prompt a training or replay document holds."""
     d = plan.data
     if bool(d.chat_train) != (chat is not None):
         raise DataError("data.chat_train and the chat data given to prepare disagree: pass "
@@ -277,9 +280,16 @@ def prepare(plan: Plan, tokenizer, replay: list[Document], with_replay: bool = T
     if plan.cohort.enabled:
         replayed, cohort_eval, cohort_sets = first_cohort(plan, train_cases, eval_cases, with_replay)
         train_cases, eval_cases = train_cases + replayed, eval_cases + cohort_eval
-    tasks_docs = task_documents(train_cases, d.task_response_weight)
+    if len(retention_heldout) != d.heldout_retention_docs:
+        raise DataError(f"data.heldout_retention_docs={d.heldout_retention_docs} but {len(retention_heldout)} held-out "
+                        "retention documents were given: pass nshard.run.replay.heldout_retention_documents(plan, ...)")
+    replay_weight = plan.cohort.first_cohort_response_weight or d.task_response_weight
+    replayed_ids = set(cohort_sets.get("cohort", {}).get("first_cohort_replay_ids", []))
+    tasks_docs = (task_documents([c for c in train_cases if c.case_id not in replayed_ids], d.task_response_weight)
+                  + task_documents([c for c in train_cases if c.case_id in replayed_ids], replay_weight))
     docs = tasks_docs + (chat.train if chat else []) + replay
-    heldout = chat.heldout if chat else []
+    check_never_trained(retention_heldout, docs)
+    heldout = (chat.heldout if chat else []) + list(retention_heldout)
     if len({doc.doc_id for doc in docs + heldout}) != len(docs + heldout):
         raise DataError("two documents share an id (a replay or chat row id equal to a case id, or to another "
                         "row's?); make ids unique")
@@ -291,9 +301,25 @@ def prepare(plan: Plan, tokenizer, replay: list[Document], with_replay: bool = T
     schedule = batch_schedule(len(docs), plan.train.updates, plan.train.global_batch_docs, d.seed)
     sets = {"eval_case_ids": [c.case_id for c in eval_cases],
             "retention_ids": retention_ids(replay, d.retention_docs, d.seed), **cohort_sets,
-            **({"chat": chat.sets()} if chat else {})}
-    docs, prepared = docs + heldout, prepared + (chat.heldout_prepared if chat else [])
+            **({"chat": chat.sets()} if chat else {}),
+            **({"retention_heldout_ids": [doc.doc_id for doc in retention_heldout]} if retention_heldout else {})}
+    prepared += (chat.heldout_prepared if chat else [])
+    prepared += [tokenize(tokenizer, doc, plan.model.max_length) for doc in retention_heldout]
+    docs = docs + heldout
     return docs, prepared, schedule, sets, prepared_identity(prepared, schedule, sets)
+
+
+def check_never_trained(heldout: list[Document], trained: list[Document]) -> None:
+    """No held-out retention document is trained: neither its id nor any of its prompts is in a training or replay
+    document (a replay file or own data could hold the same conversation under another id)."""
+    ids = {doc.doc_id for doc in trained}
+    prompts = {m["content"].strip() for doc in trained for m in doc.messages if m["role"] == "user"}
+    for doc in heldout:
+        asked = [m["content"].strip() for m in doc.messages if m["role"] == "user"]
+        if doc.doc_id in ids or prompts.intersection(asked):
+            raise DataError(f"held-out retention document {doc.doc_id} ({asked[0][:60]!r}) is in the training set: a "
+                            "training or replay document holds its id or prompt; lower data.heldout_retention_docs or "
+                            "remove that conversation from data.replay_file / data.chat_train")
 
 
 def first_cohort(plan: Plan, train_cases: list, eval_cases: list, with_replay: bool = True) -> tuple[list, list, dict]:
@@ -316,8 +342,38 @@ def first_cohort(plan: Plan, train_cases: list, eval_cases: list, with_replay: b
                        "first_cohort_screen_families": screened,
                        "screen_min_accuracy": plan.cohort.screen_min_accuracy,
                        "first_cohort_replay_ids": [c.case_id for c in replayed],
+                       "first_cohort_replay_counts": {f: sum(c.family == f for c in replayed)
+                                                      for f in accepted.first_plan.data.families},
+                       "first_cohort_response_weight": (plan.cohort.first_cohort_response_weight
+                                                        or plan.data.task_response_weight),
                        "first_cohort_eval_case_ids": [c.case_id for c in fresh]}}
     return replayed, fresh, sets
+
+
+def replayed_case_ids(plan: Plan, train: list, families, per_family: int, screened: list[str]) -> list[str]:
+    """The first cohort's training cases a second cohort replays: cohort.replay_cases' count of each family (every
+    screened family whole), or else a seed-ordered cohort.first_cohort_share of all of them."""
+    wanted = plan.cohort.replay_cases
+    if not wanted:
+        count = round(plan.cohort.first_cohort_share * len(train))
+        return stable_order([c.case_id for c in train], "first-cohort replay", plan.data.seed)[:count]
+    for family, count in wanted.items():
+        if family not in families:
+            raise CohortError(f"cohort.replay_cases.{family}: {family!r} is not a first-cohort family; the first "
+                              f"cohort taught {list(families)}")
+        if count > per_family:
+            raise CohortError(f"cohort.replay_cases.{family}={count} exceeds the first cohort's {per_family} training "
+                              f"cases of that family; lower it to at most {per_family}")
+    partial = [f for f in screened if wanted.get(f, 0) != per_family]
+    if partial:
+        raise CohortError(f"cohort.replay_cases.{partial[0]}={wanted.get(partial[0], 0)}: the first-cohort screen "
+                          f"counts {partial[0]}, so replay all {per_family} of its training cases "
+                          f"({partial[0]} = {per_family})")
+    chosen = []
+    for family in families:
+        ids = [c.case_id for c in train if c.family == family]
+        chosen += stable_order(ids, "first-cohort replay", plan.data.seed, family)[:wanted.get(family, 0)]
+    return chosen
 
 
 def first_cohort_cases(plan: Plan, accepted: AcceptedStudy, screened: list[str]) -> tuple[list, list, list, list]:
@@ -333,8 +389,7 @@ def first_cohort_cases(plan: Plan, accepted: AcceptedStudy, screened: list[str])
     if tuple(c.case_id for c in evaluation) != accepted.first_eval_case_ids:
         raise CohortError(f"cohort.from: the first cohort's plan ({accepted.run_dir / 'plan.toml'}) rebuilds other "
                           "evaluation cases than its prepared/sets.json records; the study's files disagree")
-    count = round(plan.cohort.first_cohort_share * len(train))
-    chosen = set(stable_order([c.case_id for c in train], "first-cohort replay", plan.data.seed)[:count])
+    chosen = set(replayed_case_ids(plan, train, first.families, first.train_cases_per_family, screened))
     fresh = [c for f in screened for c in
              tasks.make_cases(f, plan.data.eval_seed, 0, plan.cohort.first_cohort_eval_cases_per_family)]
     return ([c for c in train if c.case_id in chosen], [c for c in train if c.case_id not in chosen], evaluation,

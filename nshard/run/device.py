@@ -17,9 +17,35 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+BACKEND_VARIABLE = "NSHARD_DIST_BACKEND"
+"""gloo on GPUs: ranks that share a GPU (NCCL refuses two ranks on one) over gloo, which takes CUDA tensors for
+all_reduce and broadcast (staged through the host), not for send/recv or all_gather: stage 0 only (the GPU check's
+two-process step). Unset: NCCL on GPUs, gloo on the CPU."""
+
+
 def dist_backend(cuda: bool) -> str:
-    """NCCL where the ranks hold GPUs, gloo otherwise (nshard's ring all-gather runs on gloo only)."""
-    return "nccl" if cuda else "gloo"
+    """NCCL where the ranks hold GPUs, gloo otherwise (nshard's ring all-gather runs on gloo only), unless
+    NSHARD_DIST_BACKEND says gloo."""
+    chosen = os.environ.get(BACKEND_VARIABLE, "")
+    if chosen not in ("", "nccl", "gloo") or (chosen == "nccl" and not cuda):
+        raise ValueError(f"{BACKEND_VARIABLE}={chosen!r}: set it to gloo (ranks may share a GPU), or nccl on GPUs, "
+                         "or leave it unset (NCCL on GPUs, gloo on the CPU)")
+    return chosen or ("nccl" if cuda else "gloo")
+
+
+def shared_device_index(local_rank: int, devices: int) -> int:
+    """The GPU of a rank when ranks share the visible GPUs (gloo): local rank modulo their count."""
+    return local_rank % devices if devices > 0 else local_rank
+
+
+def share_gpus(env) -> None:
+    """Under NSHARD_DIST_BACKEND=gloo with GPUs visible, point LOCAL_RANK (which DeepSpeed's engine, nshard and
+    inference placement read as the rank's device) at a GPU that exists, keeping the launcher's in
+    NSHARD_LAUNCH_LOCAL_RANK: two ranks on one GPU both compute on cuda:0. Nothing otherwise."""
+    if env.get(BACKEND_VARIABLE) != "gloo" or "LOCAL_RANK" not in env or not cuda_available():
+        return
+    env.setdefault("NSHARD_LAUNCH_LOCAL_RANK", env["LOCAL_RANK"])
+    env["LOCAL_RANK"] = str(shared_device_index(int(env["NSHARD_LAUNCH_LOCAL_RANK"]), torch.cuda.device_count()))
 
 
 def bind_local_gpu() -> None:

@@ -9,6 +9,8 @@ import re
 import sys
 from pathlib import Path
 
+from nshard.log import log
+
 LINE = re.compile(r"^(\S+)\s+slots=(\d+)\s*(#.*)?$")
 
 
@@ -45,7 +47,7 @@ def main(argv=None) -> int:
     try:
         hosts = parse_hostfile(args[0] if args else "hostfile")
     except HostfileError as exc:
-        print(f"nshard: error: {exc}", file=sys.stderr)
+        log.error("%s", exc)
         return 2
     print(" ".join(f"{h}:{n}" for h, n in hosts.items()))
     return 0

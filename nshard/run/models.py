@@ -4,7 +4,6 @@ transformers directory, building the embedded, tiny and random models once into 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import json
@@ -13,13 +12,14 @@ import re
 import shutil
 import tempfile
 
-from nshard.files import cache_root, file_chunks, file_sha256, note_one_time_work
+from nshard.files import cache_root, file_chunks, file_sha256, note_one_time_work, rename_durably
 from nshard.run.upcycle import upcycled_state
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
 
 import torch
+from filelock import FileLock
 
 MARKER = "nshard-model.json"
 """Written next to a built model: its sha256 and what it was built from."""
@@ -160,16 +160,6 @@ def _check_model_dir(path: Path) -> None:
 
 # ---- the build-once cache ----------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _cached_sha(target: Path, source: dict) -> str | None:
     """The directory's sha256 if its marker records `source` and the files still hash to it."""
     try:
@@ -189,7 +179,7 @@ def _ensure_built(target: Path, source: dict, build: Callable[[Path], None]) -> 
     (some network file systems), a lost rename race is tolerated when the winner's copy is valid.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f".{target.name}.lock"):
+    with FileLock(target.parent / f".{target.name}.lock"):
         sha = _cached_sha(target, source)
         if sha is not None:
             return target, sha
@@ -204,7 +194,7 @@ def _ensure_built(target: Path, source: dict, build: Callable[[Path], None]) -> 
                 os.rename(target, stale / "old")
                 shutil.rmtree(stale, ignore_errors=True)
             try:
-                os.rename(tmp, target)
+                rename_durably(tmp, target)
             except OSError:
                 if _cached_sha(target, source) != sha:
                     raise
@@ -493,7 +483,8 @@ def shaped_model(config, dtype: torch.dtype = torch.float32, materialize: bool =
 
 @contextlib.contextmanager
 def _parameters_on_meta():
-    """Every parameter a module registers goes to the meta device; buffers stay where they are made."""
+    """Every parameter a module registers goes to the meta device; buffers stay where they are made. Kept by hand:
+    accelerate's init_empty_weights wraps a parameter already on meta in a new one, so tied weights come apart."""
     register = torch.nn.Module.register_parameter
 
     def on_meta(module, name, param):

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 from pathlib import Path
 
 import psutil
+
+from nshard.log import log
 
 TOLERANCE = 0.05
 """Protocol overhead allowed between the kernel's count and the collectives' payload: TCP/IP framing
@@ -47,20 +48,16 @@ def not_countable(backend: str, infiniband: Path = INFINIBAND) -> str | None:
 def tx_bytes(interface: str | None) -> int | None:
     """Bytes the kernel has transmitted on `interface`; None when there is no such interface.
 
-    Read from /proc/net/dev, which always shows the reading process's own network namespace
+    psutil reads /proc/net/dev, which always shows the reading process's own network namespace
     (/sys/class/net shows whichever namespace sysfs was mounted in), same counter as
     /sys/class/net/IF/statistics/tx_bytes."""
     if interface is None:
         return None
     try:
-        lines = Path("/proc/net/dev").read_text().splitlines()[2:]
+        counters = psutil.net_io_counters(pernic=True).get(interface)
     except OSError:
         return None
-    for line in lines:
-        name, _, fields = line.partition(":")
-        if name.strip() == interface:
-            return int(fields.split()[8])  # 8 receive fields come first
-    return None
+    return counters.bytes_sent if counters else None
 
 
 def where(backend: str = "gloo") -> dict:
@@ -113,12 +110,10 @@ class LinkCount:
                 "agree": agree,
                 "backend": self.backend, "not_counted": self.not_counted}
         if self.not_counted:
-            print(f"nshard: note (rank {rank}): the link's bytes are not counted: {self.not_counted}",
-                  file=sys.stderr, flush=True)
+            log.warning("the link's bytes are not counted: %s", self.not_counted, extra={"rank": rank})
         if agree is False:
-            print(f"nshard: warning (rank {rank}): byte counts disagree beyond {TOLERANCE:.0%} protocol overhead: "
-                  f"kernel sent {kernel} B on {self.interface}, collectives {logged_bytes} B (expected on the wire "
-                  f"{round(expected)} B), reducer ledger {ledger_bytes} B vs logged {logged_reducer} B, delta sync "
-                  f"{delta} B vs logged {logged_delta} B",
-                  file=sys.stderr, flush=True)
+            log.warning(f"byte counts disagree beyond {TOLERANCE:.0%} protocol overhead: kernel sent {kernel} B on "
+                        f"{self.interface}, collectives {logged_bytes} B (expected on the wire {round(expected)} B), "
+                        f"reducer ledger {ledger_bytes} B vs logged {logged_reducer} B, delta sync {delta} B vs "
+                        f"logged {logged_delta} B", extra={"rank": rank})
         return {**where(self.backend), "link": link}

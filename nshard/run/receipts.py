@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from nshard.files import write_json_atomic
+from nshard.files import write_json_atomic, write_text_atomic
 
 PROCESS_START = psutil.Process().create_time()
 """When the kernel started this process (psutil; a DeepSpeed dependency), imports included."""
@@ -152,6 +152,9 @@ class Receipt:
     orthogonalization and error update within reducer_compute; the parameters' collectives within collective_wait)."""
     update_microbatch_s: list[list[float]] = field(default_factory=list)
     """Each update's forward_backward seconds per microbatch of this rank (summing to its forward_backward)."""
+    compression_error_norm: float | None = None
+    """After the last update, the global 2-norm of PowerSGD's error memory: what the optimizer did not receive of the
+    summed gradient (nshard/run/throughput.py compression_error_norm); None when that update did not compress."""
 
     def record_update(self, seconds: float, grad_bytes: int, other_bytes: int, compressed: bool,
                       gpu: dict | None = None, deepspeed_grad_bytes: int = 0, timing: dict | None = None) -> None:
@@ -312,9 +315,7 @@ class MetricsLog:
 
     def __init__(self, path: Path | None, resume_after: int = 0):
         if path and resume_after:  # the kept lines, byte for byte, replace the file in one rename
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(line + "\n" for line in metrics_through(path, resume_after)))
-            tmp.replace(path)
+            write_text_atomic(path, "".join(line + "\n" for line in metrics_through(path, resume_after)))
         self._file = path.open("a" if resume_after else "w") if path else None
 
     def write(self, record: dict) -> None:

@@ -7,6 +7,7 @@ replay pulls the fine-tune toward what the model already said.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -15,41 +16,8 @@ from nshard.run.data import DataError, Document, read_replay_file
 from nshard.run.device import CPU_FP32, Placement
 from nshard.files import cache_root, note_one_time_work, write_jsonl_atomic
 from nshard.run.plan import Plan
+from nshard.run.prompts import GENERAL_PROMPTS, HELDOUT_PROMPTS
 
-GENERAL_PROMPTS = (
-    "What is the capital of France?",
-    "Give me three tips for staying focused while studying.",
-    "Explain what a rainbow is in two sentences.",
-    "Write a short, friendly greeting for a new colleague.",
-    "What is the difference between weather and climate?",
-    "Suggest a name for a small bakery.",
-    "How do plants make their food?",
-    "Describe a cat to someone who has never seen one.",
-    "What are the primary colors?",
-    "Why do we need sleep?",
-    "Give an example of a renewable energy source.",
-    "What does a librarian do?",
-    "Write one sentence about the ocean.",
-    "How many days are there in a leap year?",
-    "What is a good way to start learning to cook?",
-    "Name three animals that live in the desert.",
-    "What is the boiling point of water at sea level in Celsius?",
-    "Explain what a computer program is to a child.",
-    "What is the tallest mountain on Earth?",
-    "Give me a simple recipe for a fruit salad.",
-    "Why is exercise good for health?",
-    "What is photosynthesis?",
-    "Write a haiku about autumn.",
-    "What are the four seasons?",
-    "How does a bicycle work?",
-    "What language is spoken in Brazil?",
-    "Give two reasons to read books.",
-    "What is the largest planet in our solar system?",
-    "Describe the taste of a lemon.",
-    "How can I save water at home?",
-    "What is the purpose of a map?",
-    "Tell me a fun fact about bees.",
-)
 MAX_NEW_TOKENS = 48
 GPU_BATCH = len(GENERAL_PROMPTS)
 """Prompts generated together on a GPU: all of them (on the CPU, 8 keep two cores busy)."""
@@ -80,22 +48,43 @@ def replay_documents(plan: Plan, model_ref, tokenizer, placement: Placement = CP
     if d.replay_docs > len(GENERAL_PROMPTS):
         raise DataError(f"data.replay_docs={d.replay_docs} exceeds the {len(GENERAL_PROMPTS)} built-in prompts; "
                         "give data.replay_file (JSONL of chat messages) for more")
-    path = _cache_path(model_ref, d.replay_docs, placement)
+    return _answered(model_ref, tokenizer, GENERAL_PROMPTS[: d.replay_docs], "replay", placement,
+                     d.replay_response_weight)
+
+
+def heldout_retention_documents(plan: Plan, model_ref, tokenizer, placement: Placement = CPU_FP32) -> list[Document]:
+    """The held-out retention documents (data.heldout_retention_docs): the seed model's own answers to the first N
+    of HELDOUT_PROMPTS, generated and cached as the built-in replay is. Never trained: data.prepare checks that no
+    training or replay document holds one of their prompts."""
+    count = plan.data.heldout_retention_docs
+    if count == 0:
+        return []
+    docs = _answered(model_ref, tokenizer, HELDOUT_PROMPTS[:count], "heldout", placement,
+                     plan.data.replay_response_weight)
+    return [dataclasses.replace(doc, kind="retention-heldout", family="retention-heldout") for doc in docs]
+
+
+def _answered(model_ref, tokenizer, prompts: tuple[str, ...], prefix: str, placement: Placement,
+              weight: float) -> list[Document]:
+    """The seed model's greedy answers to `prompts`, from the cache or generated into it once."""
+    path = _cache_path(model_ref, prompts, placement, prefix)
     if not path.is_file():
-        _generate(model_ref, tokenizer, GENERAL_PROMPTS[: d.replay_docs], path, placement)
-        note_one_time_work(f"generated {d.replay_docs} replay answers ({path.name})")
-    return read_replay_file(path, d.replay_response_weight)
+        _generate(model_ref, tokenizer, prompts, path, placement, prefix)
+        note_one_time_work(f"generated {len(prompts)} {prefix} answers ({path.name})")
+    return read_replay_file(path, weight)
 
 
-def _cache_path(model_ref, count: int, placement: Placement = CPU_FP32) -> Path:
+def _cache_path(model_ref, prompts: tuple[str, ...], placement: Placement = CPU_FP32, prefix: str = "replay") -> Path:
     root = cache_root()
-    # Another device or dtype may answer differently; CPU fp32 keeps the key it always had.
+    # Another device or dtype may answer differently; CPU fp32 keeps the key it always had (and the replay prompts
+    # theirs: a cache written before held-out documents existed is still found).
     where = [] if placement == CPU_FP32 else [placement.kind, placement.dtype]
-    key = json.dumps([model_ref.sha256 or model_ref.spec, GENERAL_PROMPTS[:count], MAX_NEW_TOKENS, *where])
+    kind = [] if prefix == "replay" else [prefix]
+    key = json.dumps([model_ref.sha256 or model_ref.spec, prompts, MAX_NEW_TOKENS, *where, *kind])
     return root / "replay" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.jsonl"
 
 
-def _generate(model_ref, tokenizer, prompts, path: Path, placement: Placement = CPU_FP32) -> None:
+def _generate(model_ref, tokenizer, prompts, path: Path, placement: Placement = CPU_FP32, prefix: str = "replay") -> None:
     """Greedy answers of the seed model, written atomically as replay JSONL."""
     import torch
 
@@ -116,7 +105,7 @@ def _generate(model_ref, tokenizer, prompts, path: Path, placement: Placement = 
         for i, prompt in enumerate(chunk):
             answer = tokenizer.decode(out[i, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
             messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer or "."}]
-            rows.append({"id": f"replay-builtin-{start + i:04d}", "messages": messages})
+            rows.append({"id": f"{prefix}-builtin-{start + i:04d}", "messages": messages})
     tokenizer.padding_side = "right"
     del model
     free_cached_gpu_memory()

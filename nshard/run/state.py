@@ -33,7 +33,8 @@ import torch.distributed as dist
 from nshard.seam import engine as engine_mod
 from nshard.run import elastic, fault
 from nshard.comm.agree import shapes_sha256
-from nshard.files import file_sha256, first_difference, write_json_atomic
+from nshard.files import file_sha256, first_difference, rename_durably, write_json_atomic
+from nshard.log import log
 from nshard.run.ranks import RunError, all_ranks, on_main_rank
 from nshard.run.receipts import Receipt, metrics_through, parameter_root
 
@@ -301,9 +302,14 @@ class StateKeeper:
             self.check_replicas(done, receipt, sealing=False)
 
     def finish(self, done: int, receipt: Receipt) -> None:
-        """The state at the end of the run (unless the last update's was just saved)."""
-        if self.last_saved != done:
-            self.save(done, receipt, self.check_replicas(done, receipt))
+        """The state at the end of the run (unless the last update's was just saved, or the plan says
+        checkpoint.final = false: then the replicas are only compared)."""
+        if self.last_saved == done:
+            return
+        if not self.run.plan.checkpoint.final:
+            self.check_replicas(done, receipt)
+            return
+        self.save(done, receipt, self.check_replicas(done, receipt))
 
     def check_replicas(self, done: int, receipt: Receipt, sealing: bool = True) -> str:
         """All ranks compare parameter roots (between saves: replica_digest); a divergence stops the run before anything
@@ -343,9 +349,8 @@ class StateKeeper:
         receipt.state_s += seconds
         receipt.state_saves.append({"update": done, "seconds": seconds, "bytes": sealed and sealed["bytes"]})
         self.last_saved = done
-        if run.is_main:
-            print(f"nshard: state {state_name(done)} sealed: {sealed['bytes'] / 1e6:.1f} MB in {seconds:.2f} s",
-                  flush=True)
+        if run.is_main:  # the others have no manifest to report
+            log.info("state %s sealed: %.1f MB in %.2f s", state_name(done), sealed["bytes"] / 1e6, seconds)
 
     def restore(self, point: ResumePoint) -> tuple[int, Receipt]:
         """Load a state found by find_resumable, checked on every rank before anything goes on (its inputs and
@@ -426,7 +431,7 @@ def _seal(tmp: Path, final: Path, fields: dict, t0: float, keep: int) -> dict:
     write_json_atomic(tmp / MANIFEST, manifest)
     if final.exists():  # --resume sets newer states aside, so none should be here; kept as evidence all the same
         _set_aside(final)
-    tmp.rename(final)
+    rename_durably(tmp, final)
     for old in sealed_states(final.parent.parent)[:-keep]:  # final is RUN/state/update-N
         shutil.rmtree(old)
     for stale in final.parent.glob(".tmp-*"):

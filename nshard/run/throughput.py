@@ -4,7 +4,6 @@ matmul probe on a CPU, or NSHARD_PEAK_TFLOPS), and the PowerSGD residual's globa
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import math
@@ -15,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 from nshard.files import cache_root, note_one_time_work, write_json_atomic
 from nshard.run import budget as budget_mod
@@ -113,8 +113,7 @@ def cpu_peak(dtype: str, seconds: float = PROBE_SECONDS, root: Path | None = Non
     folder = (root or cache_root()) / "peak"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"cpu-{digest}.json"
-    with (folder / f"cpu-{digest}.lock").open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with FileLock(folder / f"cpu-{digest}.lock"):
         if path.is_file():
             return {**json.loads(path.read_text()), "path": str(path)}
         record = {**key, "tflops": probe_matmul_tflops(dtype, seconds), "matmul": f"{PROBE_SIZE}x{PROBE_SIZE}",

@@ -26,11 +26,13 @@ from nshard.phases import CLOCK, sync_wanted
 from nshard.run import throughput
 from nshard.seam import observe
 from nshard.run import state as state_mod
+from nshard.comm import numerics
 from nshard.comm.config import ReducerConfig
 from nshard.evidence.export import write_manifest
 from nshard.seam.ds_config import precision as ds_precision
 from nshard.run.loss import deepspeed_backward_scale, rank_microbatches, weighted_nll_sum
-from nshard.files import file_sha256, write_json_atomic
+from nshard.files import file_sha256, rename_durably, write_json_atomic
+from nshard.log import log
 from nshard.run.plan import Plan
 from nshard.run.ranks import RunError, all_ranks, on_main_rank, on_main_rank_long
 from nshard.run.receipts import GpuPeaks, MetricsLog, Receipt, mark, parameter_root, startup
@@ -84,8 +86,7 @@ def check_memory(plan: Plan, given: dict, completed: dict, world_size: int, star
     group exists. NSHARD_MEMORY_CHECK=warn prints the refusal and goes on, =off skips it; a model the memory model
     cannot size is noted and not refused. Returns the prediction (None when skipped or not made)."""
     import os
-    import sys
-
+    
     from nshard.analysis.memory_model import CHECK_ENV, CHECK_MODES, plan_peak, refusal, summary
 
     mode = os.environ.get(CHECK_ENV, "refuse") or "refuse"
@@ -101,17 +102,16 @@ def check_memory(plan: Plan, given: dict, completed: dict, world_size: int, star
         report = plan_peak(plan, ds_config, world_size, model_dir=model_dir,
                            shapes=meta_shapes(model_dir) if model_dir is not None else None)
     except (OSError, ValueError, KeyError) as exc:  # a model it cannot size: say so, do not refuse
-        if main:
-            print(f"nshard: note: memory not planned ({exc})", file=sys.stderr, flush=True)
+        log.info("note: memory not planned (%s)", exc)
         return None
     if not report["fits"]:
         line = refusal(report, f"plan {plan.name} on {world_size} rank{'s' if world_size > 1 else ''}")
         if mode == "refuse" and refused(report):
             raise RunError(line)
-        if main:
-            print(f"nshard: warning: {line}", file=sys.stderr, flush=True)
-    elif main:
-        print(f"nshard: memory: {summary(report)}", flush=True)
+        if main:  # the same on every rank: said once
+            log.warning("%s", line)
+    else:
+        log.info("memory: %s", summary(report))
     return report
 
 
@@ -160,7 +160,7 @@ def write_run_json(run: Run, status: str, **fields) -> None:
 
 def prepare_inputs(run: Run, tokenizer, model_ref):
     """Every rank prepares the inputs itself (deterministic, cheap) and all must agree on the identity."""
-    from nshard.run.replay import replay_documents
+    from nshard.run.replay import heldout_retention_documents, replay_documents
 
     # Rank 0 generates and caches the seed model's replay answers once, on the run's device and in its dtype
     # (minutes to hours for a big model: the others wait on a long timeout); the others then read them.
@@ -169,11 +169,14 @@ def prepare_inputs(run: Run, tokenizer, model_ref):
     if run.replay:
         on_main_rank_long(run, replay_documents, run.plan, model_ref, tokenizer, placement)
         replay = replay_documents(run.plan, model_ref, tokenizer, placement)
+    on_main_rank_long(run, heldout_retention_documents, run.plan, model_ref, tokenizer, placement)
+    retention_heldout = heldout_retention_documents(run.plan, model_ref, tokenizer, placement)
     if run.plan.data.chat_train:  # rank 0 tokenizes own data once into the cache; the others then read it
         on_main_rank_long(run, warm_chat, run.plan, tokenizer)
     try:
         prepared_all = data_mod.prepare(run.plan, tokenizer, replay, with_replay=run.replay,
-                                        chat=chat_mod.chat_data(run.plan, tokenizer))
+                                        chat=chat_mod.chat_data(run.plan, tokenizer),
+                                        retention_heldout=retention_heldout)
         error = None
     except data_mod.DataError as exc:
         prepared_all, error = None, str(exc)
@@ -193,12 +196,14 @@ def warm_chat(plan: Plan, tokenizer) -> None:
         pass  # every rank reports it in prepare_inputs, as one error
 
 
-def train_update(engine, seam, run: Run, prepared, batch: list[int], pad_id: int) -> float:
-    """One optimizer update over a global batch; returns this rank's weighted NLL sum."""
+def train_update(engine, seam, run: Run, prepared, batch: list[int], pad_id: int) -> torch.Tensor:
+    """One optimizer update over a global batch; returns this rank's weighted NLL sum, a float64 scalar on the device.
+    It is summed there, so no microbatch waits for the device to read its loss: global_loss reads it once, after the
+    update's timing (the same float64 sum of the same fp32 values, in the same order, as reading each one)."""
     micros = rank_microbatches(prepared, batch, run.world, run.rank, run.plan.train.microbatch_docs, pad_id)
     device = engine.device
     sparse = {"output_router_logits": True} if run.experts is not None else {}
-    local_nll = 0.0
+    local_nll = torch.zeros((), dtype=torch.float64, device=device)
     for step, mb in enumerate(micros):
         with CLOCK.microbatch():  # forward_backward; the seam marks its reduction and step (nshard/phases.py)
             ids, mask = mb.input_ids.to(device), mb.attention_mask.to(device)
@@ -208,7 +213,7 @@ def train_update(engine, seam, run: Run, prepared, batch: list[int], pad_id: int
             nll = weighted_nll_sum(out.logits, ids, mb.weights.to(device))
             loss = nll * mb.loss_scale + aux_loss(run, out, mask, mb.doc_shares)
             seam.backward_and_step(engine, loss, last=step == len(micros) - 1)
-            local_nll += nll.item()
+            local_nll += nll.detach()
     return local_nll
 
 
@@ -220,8 +225,10 @@ def aux_loss(run: Run, out, mask: torch.Tensor, shares: list[float]):
     return run.experts.aux_term(out.router_logits, mask, torch.tensor(shares)) * deepspeed_backward_scale(run.world)
 
 
-def global_loss(local_nll: float, batch: list[int], prepared, device) -> float:
-    total = torch.tensor([local_nll], dtype=torch.float64, device=device)  # NCCL reduces device tensors only
+def global_loss(local_nll: torch.Tensor, batch: list[int], prepared) -> float:
+    """The update's loss: every rank's NLL sum (train_update's device scalar) over the batch's target weight. The
+    update's one read of a training value, after its timing."""
+    total = local_nll.reshape(1)  # on the rank's device: NCCL reduces device tensors only
     dist.all_reduce(total)  # torch.distributed, not deepspeed.comm: kept out of the gradient byte count
     return total.item() / math.fsum(prepared[i].target_weight for i in batch)
 
@@ -270,7 +277,7 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
         figures = {**meter.figures(batch, seconds), "grad_norm": grad_norm.take(),
                    **(throughput.compression_error(seam, engine.device) if monitor else {})}
         receipt.record_throughput(figures)
-        loss = global_loss(local_nll, batch, prepared, engine.device)
+        loss = global_loss(local_nll, batch, prepared)
         gap = delta_gap(run, engine.device)
         experts = run.experts.finish_update(update + 1, run.rank, engine.device) if run.experts else None
         if experts is not None:
@@ -298,6 +305,9 @@ def train(run: Run, engine, seam, prepared, schedule, pad_id: int, keeper: state
         began, state_s_before = now, receipt.state_s
         keeper.after_update(update + 1, receipt)
         counter.take()  # a replica check's or state save's collectives belong to no update
+    # The residual the last update left in PowerSGD's error memory (what the optimizer did not receive): one scalar
+    # all-reduce, after the timed updates; None when that update did not compress.
+    receipt.compression_error_norm = throughput.compression_error_norm(seam, engine.device)
     ledger = seam.ledger  # None under DeepSpeed's own reduction
     receipt.where_and_link = link.finish(run.rank, run.world, ledger.total_bytes() if ledger else None)
     keeper.finish(len(schedule), receipt)
@@ -336,6 +346,16 @@ def reduction_ran(seam, receipt: Receipt) -> dict:
             "deepspeed_grad_bytes": receipt.deepspeed_grad_bytes, "deepspeed_comms_logged": patches.comms_logged()}
 
 
+def orthogonalization_record(seam) -> dict | None:
+    """PowerSGD's orthogonalizations in this process: its setting, the matrices orthogonalized, and how many of them
+    CholeskyQR2 handed to Householder QR (None without PowerSGD)."""
+    state = getattr(getattr(seam, "reducer", None), "state", None)
+    if not hasattr(state, "orthogonal_fallbacks"):
+        return None
+    return {"setting": state.orthogonalization, "matrices": state.orthogonalized,
+            "fallbacks": state.orthogonal_fallbacks}
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -365,7 +385,7 @@ def export_model(run: Run, engine, tokenizer, prepared_identity: str) -> str:
             write_manifest(tmp, parameter_root=root, plan_sha256=file_sha256(run.plan_path),
                            ds_config_sha256=file_sha256(run.ds_config_path), prepared_identity=prepared_identity,
                            weights=weights)
-            tmp.replace(run.out / "model")
+            rename_durably(tmp, run.out / "model")
     return root
 
 
@@ -382,7 +402,7 @@ def record_resume(run: Run, point: state_mod.ResumePoint, inputs: tuple) -> dict
     record = {**point.record(), "skipped": state_mod.set_aside(run.out, point.skipped)}
     write_run_json(run, "running", resumed_from_update=point.update, resumed_from=record)
     skipped = "".join(f"; skipped {s['state']} ({s['why']}), kept at {s['kept_at']}" for s in record["skipped"])
-    print(f"nshard: resumed from state {point.state.name} (update {point.update}){skipped}", flush=True)
+    log.info("resumed from state %s (update %d)%s", point.state.name, point.update, skipped)
     return record
 
 
@@ -400,9 +420,8 @@ def start_cohort(run: Run, engine, seam) -> dict:
     "state") or its export was (start = "weights"); either way checked on every rank before training."""
     record = (restore(engine, seam, run.start, run.rank, run.out) if run.start.kind == "state"
               else weights_record(engine, run.start))
-    if run.is_main:
-        print(f"nshard: second cohort from {run.start.provenance['candidate']} of {run.start.provenance['study']} "
-              f"({record['kind']}, parameter root {record['parameter_root'][:16]})", flush=True)
+    log.info("second cohort from %s of %s (%s, parameter root %s)", run.start.provenance["candidate"],
+             run.start.provenance["study"], record["kind"], record["parameter_root"][:16])
     return record
 
 
@@ -425,7 +444,7 @@ def check_budget(run: Run, model_ref, prepared, schedule) -> dict | None:
 def run_training(run: Run, overwrite: bool = False, resume_from: state_mod.ResumePoint | None = None) -> dict:
     """A fresh run, or (resume_from: a state found by nshard.run.state.find_resumable) one continued from a state.
     Rank 0 owns the run directory for the run's life (nshard/lock.py); a run that holds it refuses every rank."""
-    owner = on_main_rank(run, lock.acquire, run.out, note=lambda line: print(f"nshard: {line}", flush=True))
+    owner = on_main_rank(run, lock.acquire, run.out, note=log.info)
     try:
         return train_owned(run, overwrite, resume_from)
     finally:
@@ -489,6 +508,9 @@ def train_owned(run: Run, overwrite: bool, resume_from: state_mod.ResumePoint | 
              "reduction_ran": reduction_ran(seam, receipt),
              **patches.optimizer_memory(engine), "device": str(engine.device),
              "optimizer": engine_mod.optimizer_record(engine, ds_config), "determinism": determinism,
+             "numerics": numerics.record(bool(run.reducer and run.reducer.tf32)),
+             "orthogonalization": orthogonalization_record(seam),
+             "compression_error_norm_after_last_update": receipt.compression_error_norm,
              "precision": ds_precision(ds_config),
              "startup": startup(receipt.first_update_at),
              "experts": run.experts and {**run.experts.declared(), **experts_mod.summary(receipt.update_experts)},

@@ -164,6 +164,14 @@ def _noting_a_build():
         note_one_time_work(f"compiled DeepSpeed's CPU collective ({built})")
 
 
+def require_deepspeed() -> str:
+    """DeepSpeed's version; ImportError (naming what is missing: DeepSpeed, or a package it imports, hjson or pydantic
+    say) where it cannot be imported."""
+    import deepspeed
+
+    return deepspeed.__version__
+
+
 def init_distributed() -> None:
     import deepspeed
 
@@ -280,7 +288,7 @@ def load_checkpoint_resharded(engine, state: Path, scratch: Path, is_main: bool,
         try:
             scratch.mkdir(parents=True, exist_ok=True)
             to_universal(state / DS_CHECKPOINT_TAG, scratch / "universal")
-        except Exception as exc:  # DeepSpeed's converter asserts; every rank reports it below
+        except Exception as exc:  # noqa: BLE001 -- DeepSpeed's converter asserts; every rank reports it below
             error = f"{type(exc).__name__}: {exc}"
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)

@@ -76,6 +76,9 @@ def prepare_process_env() -> None:
         env.setdefault("MASTER_ADDR", "127.0.0.1")
         env.setdefault("MASTER_PORT", "29500")
     env.setdefault("DS_ACCELERATOR", "cuda" if _has_cuda() else "cpu")
+    from nshard.run.device import share_gpus
+
+    share_gpus(env)  # NSHARD_DIST_BACKEND=gloo: ranks that share a GPU compute on one that exists
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     env.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     import torch

@@ -13,10 +13,10 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-import sys
 
 import torch
 
+from nshard.log import log
 from nshard.phases import phase
 
 COLLECTIVE, PARAMETER_SYNC = phase("collective_wait"), phase("parameter_sync")
@@ -97,9 +97,8 @@ def guard(engine) -> None:
                                 "replaces (verified on 0.19.8); pin deepspeed>=0.19.8,<0.20 or port "
                                 "nshard/seam/patches.py")
     if not lowest <= _version(deepspeed.__version__) < beyond:
-        print(f"nshard: warning: deepspeed {deepspeed.__version__} is outside the verified >=0.19.8,<0.20; every "
-              "private symbol nshard/seam/patches.py lists is present, but their behaviour is unverified",
-              file=sys.stderr, flush=True)
+        log.warning("deepspeed %s is outside the verified >=0.19.8,<0.20; every private symbol "
+                    "nshard/seam/patches.py lists is present, but their behaviour is unverified", deepspeed.__version__)
 
 
 # ---------------------------------------------------------------- patches
@@ -378,7 +377,7 @@ def optimizer_memory(engine) -> dict[str, int]:
     if inner is None:
         raise DeepSpeedAPIMoved(f"no torch optimizer under {type(engine.optimizer).__name__}.optimizer; "
                                 "port nshard/seam/patches.py:optimizer_memory")
-    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    nbytes = lambda t: t.numel() * t.element_size()
     state = sum(nbytes(v) for s in inner.state.values() for v in s.values() if torch.is_tensor(v))
     module_storage = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
     masters = sum(nbytes(p) for g in inner.param_groups for p in g["params"]

@@ -42,6 +42,8 @@ class RunSets:
     retention: list[dict]
     heldout: list[dict] = ()
     """Own held-out rows (tokens, weights; prompt_ids and expected where the row carries an answer)."""
+    retention_heldout: list[dict] = ()
+    """Held-out retention documents (data.heldout_retention_docs): scored as the retention documents are, never trained."""
 
     @property
     def answers(self) -> list[dict]:
@@ -83,7 +85,8 @@ def load_run_sets(run_dir: Path) -> RunSets:
     sets = json.loads((prepared / "sets.json").read_text())
     cases = [case_from_id(c) for c in sets["eval_case_ids"]]
     heldout_ids = (sets.get("chat") or {}).get("heldout_ids", [])
-    wanted = set(sets["retention_ids"]) | set(heldout_ids)
+    retention_heldout_ids = sets.get("retention_heldout_ids", [])
+    wanted = set(sets["retention_ids"]) | set(heldout_ids) | set(retention_heldout_ids)
     docs = {}
     with (prepared / "documents.jsonl").open() as f:
         for line in f:
@@ -93,7 +96,8 @@ def load_run_sets(run_dir: Path) -> RunSets:
     missing = wanted - set(docs)
     if missing:
         raise EvalError(f"retention or held-out document {sorted(missing)[0]} is not in {prepared}/documents.jsonl")
-    return RunSets(identity, cases, [docs[i] for i in sets["retention_ids"]], [docs[i] for i in heldout_ids])
+    return RunSets(identity, cases, [docs[i] for i in sets["retention_ids"]], [docs[i] for i in heldout_ids],
+                   [docs[i] for i in retention_heldout_ids])
 
 
 def run_placement(run_dir: Path):
@@ -265,7 +269,8 @@ class Scoring:
         batches = len(scoring_batches(self.inputs, batch_size))
         return [(str(self.model_dir), self.placement, self.inputs, self.targets, max_new_tokens, batch_size,
                  list(range(k, batches, processes)),
-                 {"retention": self.sets.retention, "heldout": list(self.sets.heldout)} if k == 0 else {})
+                 {"retention": self.sets.retention, "heldout": list(self.sets.heldout),
+                  "retention_heldout": list(self.sets.retention_heldout)} if k == 0 else {})
                 for k in range(processes)]
 
 
@@ -325,8 +330,10 @@ def score_share(model_dir: str, placement, inputs: list[list[int]], targets: lis
 
 
 def write_scores(scoring: Scoring, shares: list[dict], out: Path, *, exploratory: bool = False,
-                 seed_rows: list[dict] | None = None, max_new_tokens: int, batch_size: int) -> dict:
-    """The model's answers (from every share) decoded and scored, and its losses, into EVAL_DIR; summary.json last."""
+                 seed_rows: list[dict] | None = None, max_new_tokens: int, batch_size: int,
+                 seed_heldout_rows: list[dict] | None = None) -> dict:
+    """The model's answers (from every share) decoded and scored, and its losses, into EVAL_DIR; summary.json last.
+    seed_rows, seed_heldout_rows: the seed's retention and held-out retention losses (None: this is the seed)."""
     answers = {i: a for share in shares for i, a in share["answers"].items()}
     if sorted(answers) != list(range(len(scoring.inputs))):
         raise EvalError(f"{scoring.label}: the scoring processes answered {len(answers)} of {len(scoring.inputs)} "
@@ -353,8 +360,10 @@ def write_scores(scoring: Scoring, shares: list[dict], out: Path, *, exploratory
     losses = next(share["losses"] for share in shares if share["losses"])
     retention = [{**row, "exploratory": exploratory} for row in losses["retention"]]
     heldout = [{**row, "exploratory": exploratory} for row in losses["heldout"]]
+    retention_heldout = [{**row, "exploratory": exploratory} for row in losses.get("retention_heldout", [])]
     if seed_rows is not None:
         retention = with_seed_retention(retention, seed_rows)
+        retention_heldout = with_seed_retention(retention_heldout, seed_heldout_rows or [])
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -362,6 +371,7 @@ def write_scores(scoring: Scoring, shares: list[dict], out: Path, *, exploratory
     write_jsonl_atomic(out / "cases.jsonl", case_rows)
     write_jsonl_atomic(out / "retention.jsonl", retention)
     write_jsonl_atomic(out / "heldout.jsonl", heldout)
+    write_jsonl_atomic(out / "retention_heldout.jsonl", retention_heldout)
     per_family = {}
     for row in case_rows:
         fam = per_family.setdefault(row["family"], {"correct": 0, "cases": 0})
@@ -370,7 +380,8 @@ def write_scores(scoring: Scoring, shares: list[dict], out: Path, *, exploratory
     summary = {"label": scoring.label, "model_dir": str(scoring.model_dir), "model_files": scoring.files,
                "prepared_identity": sets.prepared_identity, "run_dir": str(scoring.run_dir), **scoring.committed,
                "cases": len(case_rows), "correct": sum(r["correct"] for r in case_rows), "per_family": per_family,
-               "retention_docs": len(retention), "heldout": heldout_summary(heldout),
+               "retention_docs": len(retention), "retention_heldout_docs": len(retention_heldout),
+               "heldout": heldout_summary(heldout),
                "max_new_tokens": max_new_tokens, "batch_size": batch_size,
                "generate_s": sum(share["generate_s"] for share in shares),
                "retention_s": sum(share["loss_s"] for share in shares), "processes": len(shares),
@@ -388,9 +399,16 @@ def score_model(label: str, model_dir: Path, run_dir: Path, out: Path, *, commit
     exploratory. (A study scores its models side by side: nshard/study/runner.py score_all.)"""
     scoring = prepare_scoring(label, model_dir, run_dir, commitment=commitment, exploratory=exploratory)
     seed_rows = read_jsonl(Path(seed_eval) / "retention.jsonl") if seed_eval is not None else None
+    seed_heldout = read_seed_heldout(Path(seed_eval)) if seed_eval is not None else None
     share = score_share(*scoring.shares(max_new_tokens, batch_size, 1)[0])
     return write_scores(scoring, [share], out, exploratory=exploratory, seed_rows=seed_rows,
-                        max_new_tokens=max_new_tokens, batch_size=batch_size)
+                        max_new_tokens=max_new_tokens, batch_size=batch_size, seed_heldout_rows=seed_heldout)
+
+
+def read_seed_heldout(seed_eval: Path) -> list[dict]:
+    """The seed's held-out retention losses (none where its evaluation predates them or the run has none)."""
+    path = Path(seed_eval) / "retention_heldout.jsonl"
+    return read_jsonl(path) if path.is_file() else []
 
 
 def with_seed_retention(rows: list[dict], seed_rows: list[dict]) -> list[dict]:

@@ -65,7 +65,7 @@ def plan_budget(plan: Plan, plan_path: Path, out: Path, note, resolve_ds_config)
     from nshard.run.data import batch_schedule, prepare
     from nshard.run.device import run_placement
     from nshard.run.models import load_tokenizer, resolve_model
-    from nshard.run.replay import replay_documents
+    from nshard.run.replay import heldout_retention_documents, replay_documents
     from nshard.seam.ds_config import load_ds_config
 
     grown = make_grown(plan, out, note)
@@ -79,9 +79,11 @@ def plan_budget(plan: Plan, plan_path: Path, out: Path, note, resolve_ds_config)
         key = (arm.replay, placement)
         if key not in made:
             replay = replay_documents(plan, ref, tokenizer, placement) if arm.replay else []
-            docs, prepared, schedule, _, _ = prepare(plan, tokenizer, replay, with_replay=arm.replay, chat=chat)
-            made[key] = ([len(p.input_ids) for p in prepared], len(docs) - sum(d.kind == "heldout" for d in docs),
-                         schedule)
+            docs, prepared, schedule, _, _ = prepare(
+                plan, tokenizer, replay, with_replay=arm.replay, chat=chat,
+                retention_heldout=heldout_retention_documents(plan, ref, tokenizer, placement))
+            made[key] = ([len(p.input_ids) for p in prepared],
+                         len(docs) - sum(d.kind in ("heldout", "retention-heldout") for d in docs), schedule)
         inputs[arm.name] = made[key]
     actives = {arm.name: budget_mod.model_active_parameters(arm_model_dir(plan, out, arm.grown))
                for arm in plan.study.arms}

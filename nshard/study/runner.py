@@ -32,6 +32,7 @@ from nshard import lock
 from nshard.cli import SPELLING_NOTE, ArgumentParser, add_plan_overrides, plan_with_overrides, prog
 from nshard.evidence.archive import ArchiveError, create_study_archive
 from nshard.files import file_sha256, write_json_atomic
+from nshard.log import log
 from nshard.run.device import cuda_available
 from nshard.study import growth as growth_mod
 from nshard.study import placement as placement_mod
@@ -100,8 +101,9 @@ def check_arms(plan: Plan, plan_path: Path) -> None:
     from nshard.seam.ds_config import load_ds_config
 
     for arm in plan.study.arms:
-        load_ds_config(resolve_ds_config(arm.ds_config, plan_path))
-        launcher_where(arm, plan)
+        if not arm.interpolate:  # an interpolated arm launches nothing
+            load_ds_config(resolve_ds_config(arm.ds_config, plan_path))
+            launcher_where(arm, plan)
 
 
 def arm_is_done(run_dir: Path, plan_sha: str, ds_sha: str, ranks: int, replay: bool = True) -> bool:
@@ -248,9 +250,9 @@ def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: di
         attempts.append(attempt)
         ok = attempt["rc"] == 0 and arm_is_done(run_dir, plan_sha, ds_sha, arm.ranks, arm.replay)
         if fault and ok:
-            print(f"nshard: warning: arm {arm.name}: the plan's fault NSHARD_FAULT={fault} did not stop it: the "
-                  "variable did not reach the rank (local launches and the emulated hosts pass it; other hosts' sshd "
-                  "must accept NSHARD_* variables)", file=sys.stderr, flush=True)
+            log.warning("arm %s: the plan's fault NSHARD_FAULT=%s did not stop it: the variable did not reach the "
+                        "rank (local launches and the emulated hosts pass it; other hosts' sshd must accept NSHARD_* "
+                        "variables)", arm.name, fault)
         if ok:
             break
         after = resume_point(run_dir, plan_path, ds_config, arm.ranks)
@@ -338,6 +340,18 @@ def settle_state(arm: ArmSpec, plan: Plan, entry: dict) -> dict:
     return {**entry, "state": {"kept": False, "removed_bytes": size}}
 
 
+def in_plan_order(plan: Plan, trained: list[dict], out: Path, seed_dir: Path) -> list[dict]:
+    """Every arm's study.json entry in the plan's order: the trained arms' as they finished, each interpolated
+    arm made from its trained arm's export and the seed model (nshard/study/derived.py)."""
+    from nshard.study.derived import derive_arm
+
+    entries = {e["name"]: e for e in trained}
+    for arm in plan.study.arms:
+        if arm.interpolate:
+            entries[arm.name] = derive_arm(arm, entries[arm.interpolate], out, seed_dir, say)
+    return [entries[a.name] for a in plan.study.arms]
+
+
 def commit_candidates(out: Path, seed_dir: Path, arms: dict[str, Path]) -> dict:
     """One record for all finished arms; an earlier record that names exactly the same models is kept."""
     from nshard.evidence import commit
@@ -376,7 +390,7 @@ def say_declared_power(plan: Plan, arms: dict[str, Path]) -> list[dict]:
     for power, line in zip(powers, power_lines(powers)):
         say(f"declared power: {line[2:]}")
         if power.get("cases_for_90"):  # under 80%: declare more cases
-            print(f"nshard: warning: {line[2:]}", file=sys.stderr, flush=True)
+            log.warning("%s", line[2:])
     return powers
 
 
@@ -384,8 +398,8 @@ def score_all(plan: Plan, out: Path, seed_dir: Path, arms: dict[str, Path], reco
     """Score the seed and every candidate (retention measured against the seed's losses); on a CPU of several cores
     every model's scoring batches are shared among a process per core (evaluate.side_by_side_layout)."""
     from nshard.evidence import commit
-    from nshard.study.evaluate import (prepare_scoring, read_jsonl, score_share, side_by_side, side_by_side_layout,
-                                       write_scores)
+    from nshard.study.evaluate import (prepare_scoring, read_jsonl, read_seed_heldout, score_share, side_by_side,
+                                       side_by_side_layout, write_scores)
 
     exploratory = record is None
     # The candidate's sets: a no-replay control has no retention documents of its own.
@@ -418,9 +432,11 @@ def score_all(plan: Plan, out: Path, seed_dir: Path, arms: dict[str, Path], reco
             "batches shared among them")
     shares = side_by_side(score_share, jobs, processes, threads)
     for k, scoring in sorted(enumerate(todo), key=lambda kv: kv[1].label != "seed"):  # the seed's losses first
-        seed_rows = None if scoring.label == "seed" else read_jsonl(evals["seed"] / "retention.jsonl")
+        is_seed = scoring.label == "seed"
+        seed_rows = None if is_seed else read_jsonl(evals["seed"] / "retention.jsonl")
         write_scores(scoring, shares[k * processes:(k + 1) * processes], evals[scoring.label],
-                     exploratory=exploratory, seed_rows=seed_rows, max_new_tokens=max_new, batch_size=batch_size)
+                     exploratory=exploratory, seed_rows=seed_rows, max_new_tokens=max_new, batch_size=batch_size,
+                     seed_heldout_rows=None if is_seed else read_seed_heldout(evals["seed"]))
     return evals
 
 
@@ -429,7 +445,8 @@ def arm_placements(plan: Plan, plan_path: Path) -> list:
     from nshard.run.device import run_placement
     from nshard.seam.ds_config import load_ds_config
 
-    placements = [run_placement(load_ds_config(resolve_ds_config(arm.ds_config, plan_path))) for arm in plan.study.arms]
+    placements = [run_placement(load_ds_config(resolve_ds_config(arm.ds_config, plan_path))) for arm in plan.study.arms
+                  if not arm.interpolate]
     return list(dict.fromkeys(placements))
 
 
@@ -440,12 +457,13 @@ def prepare_shared_caches(plan: Plan, plan_path: Path) -> None:
 
     from nshard.run.cohort import start_model_spec
     from nshard.run.models import load_tokenizer, resolve_model
-    from nshard.run.replay import replay_documents
+    from nshard.run.replay import heldout_retention_documents, replay_documents
 
     t0 = time.perf_counter()
     ref = resolve_model(start_model_spec(plan))
     for placement in arm_placements(plan, plan_path):  # where each arm's rank 0 will look for them
         replay_documents(plan, ref, load_tokenizer(ref), placement)
+        heldout_retention_documents(plan, ref, load_tokenizer(ref), placement)
     if plan.data.chat_train:  # own data: checked and tokenized once, before any arm's timed process
         from nshard.run.chat import chat_data
 
@@ -620,21 +638,25 @@ def run_owned(plan: Plan, plan_path: Path, out: Path, exploratory: bool) -> dict
                 f"link {plan.study.link}")
             if not all(arm_is_done(out / "arms" / a.name, file_sha256(arm_plans[a.name]),
                                    file_sha256(resolve_ds_config(a.ds_config, plan_path)), a.ranks, a.replay)
-                       for a in plan.study.arms):  # an arm will be timed
+                       for a in plan.study.arms if not a.interpolate):  # an arm will be timed
                 study["warm_up"] = warm_up_hosts(plan, plan_path, out, hosts)
         for arm in plan.study.arms:
+            if arm.interpolate:  # made from a trained arm, after the hosts are down
+                continue
             study["arms"].append(settle_state(arm, plan, train_arm(arm, plan, arm_plans[arm.name], out,
                                                                     previous.get(arm.name), hosts)))
             write_json_atomic(out / "study.json", study)
     if hosts is not None:
         say("emulated hosts down")
+    # A second cohort's "seed" is the accepted candidate: its gain, pairing and retention are measured against it.
+    seed_dir = Path(resolve_model(start_model_spec(plan)).path)
+    study["arms"] = in_plan_order(plan, study["arms"], out, seed_dir)
+    write_json_atomic(out / "study.json", study)
     train_s = time.perf_counter() - t0
     done = {a["name"]: Path(a["run_dir"]) for a in study["arms"] if a["status"] == "complete"}
     if not done:
         raise StudyError(f"no arm finished; see the logs under {out / 'logs'}")
 
-    # A second cohort's "seed" is the accepted candidate: its gain, pairing and retention are measured against it.
-    seed_dir = Path(resolve_model(start_model_spec(plan)).path)
     record = None if exploratory else commit_candidates(out, seed_dir, done)
     anchor_commitment(plan, out, record)
     if exploratory:

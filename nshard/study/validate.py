@@ -37,7 +37,7 @@ from nshard import tasks
 from nshard.cli import SPELLING_NOTE, ArgumentParser, prog
 from nshard.seam.launch_env import usable_cores
 from nshard.study.evaluate import (EvalError, answer_target, case_from_id, exact_match, heldout_summary,
-                                   load_run_sets, prompt_ids, read_jsonl)
+                                   load_run_sets, prompt_ids, read_jsonl, read_seed_heldout)
 from nshard.tasks.base import could_still_match
 
 
@@ -158,7 +158,8 @@ def check_cases(label: str, rows: list[dict], case_ids: list[str], tokenizer, an
 def check_retention(label: str, rows: list[dict], retention: list[dict], seed_rows: dict | None,
                     what: str = "retention") -> None:
     """IDs, finiteness and target weights of every row; with the seed's rows, each change is recomputed.
-    what="heldout": the same checks on an own held-out split's rows."""
+    what="heldout": the same checks on an own held-out split's rows; "retention_heldout": on the held-out retention
+    documents' rows (a change against the seed, as the retention rows)."""
     if [r.get("doc_id") for r in rows] != [d["doc_id"] for d in retention]:
         _fail(label, f"{what}.jsonl", f"{what} document IDs differ from the run's {what} set")
     for row, doc in zip(rows, retention):
@@ -211,7 +212,7 @@ def rebuild_prepared(run_dir: Path, plan_path: Path | None, tokenizer) -> dict:
     from nshard.run.device import run_placement
     from nshard.run.models import resolve_model
     from nshard.run.plan import load_plan
-    from nshard.run.replay import replay_documents
+    from nshard.run.replay import heldout_retention_documents, replay_documents
 
     run_dir = Path(run_dir)
     run = json.loads((run_dir / "run.json").read_text())
@@ -230,8 +231,12 @@ def rebuild_prepared(run_dir: Path, plan_path: Path | None, tokenizer) -> dict:
     plan = load_plan(plan_path)
     ref = resolve_model(start_model_spec(plan))
     ds_config = json.loads((run_dir / "ds_config.json").read_text())
-    replay = replay_documents(plan, ref, tokenizer, run_placement(ds_config))
-    *_, sets, rebuilt = data_mod.prepare(plan, tokenizer, replay, chat=chat_data(plan, tokenizer))
+    placement = run_placement(ds_config)
+    with_replay = run.get("replay", True)  # a no-replay arm (nshard/train.py --no_replay) prepared none
+    replay = replay_documents(plan, ref, tokenizer, placement) if with_replay else []
+    *_, sets, rebuilt = data_mod.prepare(plan, tokenizer, replay, with_replay=with_replay,
+                                         chat=chat_data(plan, tokenizer),
+                                         retention_heldout=heldout_retention_documents(plan, ref, tokenizer, placement))
     if rebuilt != recorded:
         stored_sets = json.loads((run_dir / "prepared" / "sets.json").read_text())
         what = "its evaluation or retention sets differ" if sets != stored_sets else "its documents or schedule differ"
@@ -241,7 +246,8 @@ def rebuild_prepared(run_dir: Path, plan_path: Path | None, tokenizer) -> dict:
 
 
 def regeneration_shares(label: str, summary: dict, rows: list[dict], retention_rows: list[dict],
-                        heldout_rows: list[dict], sets, run_dir: Path, processes: int) -> list[tuple]:
+                        heldout_rows: list[dict], retention_heldout_rows: list[dict], sets, run_dir: Path,
+                        processes: int) -> list[tuple]:
     """regenerate_share's arguments for each of `processes` processes (every processes-th scoring batch; the first
     also scores the retention documents and own held-out rows again), once the model's files and placement are the
     ones scoring used."""
@@ -262,7 +268,8 @@ def regeneration_shares(label: str, summary: dict, rows: list[dict], retention_r
     batch_size = summary.get("batch_size") or 16
     batches = len(scoring_batches(inputs, batch_size))
     losses = [("retention", retention_rows, sets.retention),
-              ("heldout", heldout_rows, list(sets.heldout) if heldout_rows else [])]
+              ("heldout", heldout_rows, list(sets.heldout) if heldout_rows else []),
+              ("retention_heldout", retention_heldout_rows, list(sets.retention_heldout))]
     return [(label, str(model_dir), placement, summary.get("threads"), inputs, targets, stored, case_ids,
              summary["max_new_tokens"], batch_size, list(range(k, batches, processes)), losses if k == 0 else [])
             for k in range(processes)]
@@ -305,9 +312,10 @@ def regenerate_share(label: str, model_dir: str, placement, threads: int | None,
 
 
 def regeneration_record(summary: dict, rows: list[dict], retention_rows: list[dict], heldout_rows: list[dict],
-                        shares: list[dict]) -> dict:
+                        retention_heldout_rows: list[dict], shares: list[dict]) -> dict:
     return {"cases": len(rows), "batches": sum(s["batches"] for s in shares), "retention_docs": len(retention_rows),
-            "heldout_docs": len(heldout_rows), "generate_s": sum(s["generate_s"] for s in shares),
+            "heldout_docs": len(heldout_rows), "retention_heldout_docs": len(retention_heldout_rows),
+            "generate_s": sum(s["generate_s"] for s in shares),
             "retention_s": sum(s["retention_s"] for s in shares), "processes": len(shares),
             "device": summary.get("device"), "dtype": summary.get("dtype"), "threads": shares[0]["threads"]}
 
@@ -335,7 +343,7 @@ def _first_token_difference(model, prompt: list[int], stored: list[int], again: 
     b = again[k] if k < len(again) else None
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt + stored[:k]], device=model.device), use_cache=False).logits[0, -1]
-    score = lambda t: "end" if t is None else f"{t} (score {logits[t].item():.6g})"  # noqa: E731
+    score = lambda t: "end" if t is None else f"{t} (score {logits[t].item():.6g})"
     return (f"regenerated answer differs at generated token {k}: the file has {score(a)}, generated again "
             f"{score(b)}; on another kind of CPU a near-tie can flip, see the machine in the validation record")
 
@@ -375,13 +383,15 @@ def validate(run_dir: Path, tokenizer, eval_dirs: dict[str, Path], *, record: di
     if rebuild:
         check_settings(summaries, Path(plan_path or run_dir / "plan.toml"))
     seed_label = find_seed(eval_dirs, summaries, record)
-    seed_rows = None
+    seed_rows = seed_heldout = None
     if seed_label is not None:
         seed_rows = {r["doc_id"]: r for r in read_jsonl(Path(eval_dirs[seed_label]) / "retention.jsonl")}
+        seed_heldout = {r["doc_id"]: r for r in read_seed_heldout(Path(eval_dirs[seed_label]))}
     report, stored, rebuilt = {}, {}, RebuiltCases(tokenizer)
     for label, d in eval_dirs.items():
         report[label], stored[label] = check_evaluation(label, Path(d), summaries[label], sets, case_ids, tokenizer,
-                                                        run_dir, label == seed_label, seed_rows, answers, rebuilt)
+                                                        run_dir, label == seed_label, seed_rows, answers, rebuilt,
+                                                        seed_heldout)
     if regenerate:
         # Every model's batches shared among the processes scoring used side by side, each at the thread count its
         # scores were made at (the bits depend on it, not on which process made a batch).
@@ -423,7 +433,7 @@ def check_settings(summaries: dict[str, dict], plan_path: Path) -> None:
 
 def check_evaluation(label: str, d: Path, summary: dict, sets, case_ids: list[str], tokenizer, run_dir: Path,
                      is_seed: bool, seed_rows: dict | None, answers: dict | None = None,
-                     rebuilt: RebuiltCases | None = None) -> tuple[dict, tuple]:
+                     rebuilt: RebuiltCases | None = None, seed_heldout: dict | None = None) -> tuple[dict, tuple]:
     """One evaluation directory: its stored files checked against each other and the prepared sets (the task
     cases and the own rows with an expected answer (answers: doc_id -> prepared row), the retention documents and
     the own held-out rows). Returns what the analysis may use (each case's flag and each document's loss, as
@@ -448,15 +458,23 @@ def check_evaluation(label: str, d: Path, summary: dict, sets, case_ids: list[st
         if heldout_summary(heldout_rows) != summary.get("heldout"):
             _fail(label, "summary.json", f"held-out totals {summary.get('heldout')} != recount "
                                          f"{heldout_summary(heldout_rows)}")
+    retention_heldout_rows = read_seed_heldout(d)
+    check_retention(label, retention_heldout_rows, list(sets.retention_heldout), None if is_seed else seed_heldout,
+                    "retention_heldout")
     out = {"cases": len(case_ids), "correct": sum(f["correct"] for f in per_family.values()),
-           "retention_docs": len(sets.retention), "heldout_docs": len(sets.heldout), "regenerated": None,
+           "retention_docs": len(sets.retention), "heldout_docs": len(sets.heldout),
+           "retention_heldout_docs": len(sets.retention_heldout), "regenerated": None,
            "case_results": {r["case_id"]: {"family": r["family"], "correct": r["correct"]} for r in rows},
            "retention_docs_checked": {r["doc_id"]: {"nll_sum": r["nll_sum"], "target_weight": r["target_weight"]}
                                       for r in retention_rows}}
     if sets.heldout:
         out["heldout_docs_checked"] = {r["doc_id"]: {"nll_sum": r["nll_sum"], "target_weight": r["target_weight"]}
                                        for r in heldout_rows}
-    return out, (rows, retention_rows, heldout_rows)
+    if sets.retention_heldout:
+        out["retention_heldout_docs_checked"] = {r["doc_id"]: {"nll_sum": r["nll_sum"],
+                                                               "target_weight": r["target_weight"]}
+                                                 for r in retention_heldout_rows}
+    return out, (rows, retention_rows, heldout_rows, retention_heldout_rows)
 
 
 def build_parser() -> argparse.ArgumentParser:
