@@ -44,6 +44,8 @@ PRELOAD = ("torch", "torch.distributed", "deepspeed", "deepspeed.comm", "deepspe
            "nshard.evidence.backend", "nshard.analysis.memory_model")
 """What a rank of nshard/train.py imports (a rank's `python -X importtime` against the worker's), not mpi4py.MPI:
 importing it starts MPI, which a forked process must not inherit."""
+LAZY_CLASSES = ("AutoConfig", "AutoModelForCausalLM", "AutoTokenizer", "LlamaConfig", "LlamaForCausalLM", "MixtralConfig",
+                "MixtralForCausalLM", "PreTrainedTokenizerFast")
 
 
 def preload() -> None:
@@ -55,8 +57,9 @@ def preload() -> None:
     prepare_process_env()
     for name in PRELOAD:
         importlib.import_module(name)
-    from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig,  # noqa: F401
-                              LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast)
+    transformers = importlib.import_module("transformers")
+    for name in LAZY_CLASSES:  # transformers imports a class's module when the class is first asked for
+        getattr(transformers, name)
     from nshard.seam.engine import prebuild_cpu_collective
 
     prebuild_cpu_collective()  # loads it (DeepSpeed keeps the module: the ranks' init_distributed finds it loaded)
@@ -97,7 +100,7 @@ def run_rank(request: dict, rank: int, port: int, outputs: tuple[str, str]) -> N
         mpi = sys.modules.get("mpi4py.MPI")
         if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
             mpi.Finalize()
-    except BaseException:
+    except BaseException:  # noqa: BLE001 -- a forked rank must reach os._exit: its traceback goes to its stderr
         import traceback
 
         traceback.print_exc()
@@ -203,7 +206,7 @@ class Worker:
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
             answer = self.answer()
-        except BaseException:
+        except BaseException:  # noqa: BLE001 -- re-raised: a half-read answer must never be read by the next launch
             self.kill()
             raise
         stdout = "".join(Path(o).read_text(errors="replace") for o, _ in answer["outputs"])
