@@ -15,6 +15,7 @@ runner instead (tests/runs.py launch).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -30,6 +31,7 @@ READ_AT_IMPORT = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "DS_", "DEEPSPEED", "TOR
 """Prefixes of variables that torch, DeepSpeed, transformers or Python itself may read once, at import: a launch
 must match the worker's on them to be run warm."""
 POLL_S = 0.05
+ANSWERS_FD = [-1]
 
 
 # ---------------------------------------------------------------- the worker (its own process)
@@ -70,6 +72,7 @@ def run_rank(request: dict, rank: int, port: int, outputs: tuple[str, str]) -> N
     code = 1
     try:
         os.setpgid(0, 0)  # its own group: stopping the launch stops what the rank started
+        os.close(ANSWERS_FD[0])  # the worker's answers are not the rank's to hold open
         for fd, path in zip((1, 2), outputs):
             target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(target, fd)
@@ -141,6 +144,8 @@ def serve_one(request: dict) -> dict:
         pid = os.fork()
         if pid == 0:
             run_rank(request, rank, port, outputs[rank])
+        with contextlib.suppress(OSError):  # as the rank does: a stop right after the fork reaches its group
+            os.setpgid(pid, pid)
         pids.append(pid)
     running, code, timed_out = set(pids), 0, False
     deadline = time.monotonic() + request["timeout"]
@@ -163,7 +168,8 @@ def serve_one(request: dict) -> dict:
 
 def serve() -> None:
     """Read one JSON request a line on stdin, answer one JSON line on the private descriptor; stop at end of input."""
-    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    ANSWERS_FD[0] = os.dup(1)
+    answers = os.fdopen(ANSWERS_FD[0], "w", buffering=1)
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)  # a stray print must not break the answers
     os.close(null)
