@@ -2,7 +2,7 @@
 2 ranks through the deepspeed launcher, one run directory per arm, then analysis/zero_table.py.
 
     .venv/bin/python -m launch.zero_stages [--plan launch/plans/tiny.toml] [--out runs/zero-stages]
-        [--rank R] [--warmup W] [--lr LR] [--overwrite]
+        [--rank R] [--warmup W] [--lr LR] [--stages 0 1 2] [--overwrite]
 
 Short plans need --warmup below the plan's updates (and, for the tiny model, a small --rank) to
 reach compressed updates: e.g. --rank 2 --warmup 1 on the tiny plan.
@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="PowerSGD dense_warmup_updates (default: ds_configs/powersgd.json's)")
     parser.add_argument("--lr", type=float, default=None,
                         help="peak learning rate for every arm (default: the ds_configs' own); warm-up starts at lr/10")
+    parser.add_argument("--stages", type=int, nargs="+", choices=sorted(STAGE_CONFIGS), default=sorted(STAGE_CONFIGS),
+                        help="the ZeRO stages to compare (default 0 1 2)")
     parser.add_argument("--overwrite", action="store_true", help="replace arms already in --out")
     parser.add_argument("--timeout_s", type=float, default=3600, help="wall-clock limit per arm")
     return parser
@@ -115,7 +117,8 @@ def main(argv=None) -> int:
     except (PlanError, FileNotFoundError) as exc:
         print(f"zero_stages: error: {exc}", file=sys.stderr)
         return 2
-    arms = [(stage, reducer, out / f"stage{stage}-{reducer}") for stage in STAGE_CONFIGS for reducer in REDUCERS]
+    arms = [(stage, reducer, out / f"stage{stage}-{reducer}") for stage in sorted(set(args.stages))
+            for reducer in REDUCERS]
     taken = [str(d) for _, _, d in arms if d.exists() and any(d.iterdir())]
     if taken and not args.overwrite:
         print(f"zero_stages: error: {taken} already exist; pass --overwrite or another --out", file=sys.stderr)

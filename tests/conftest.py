@@ -2,10 +2,15 @@ import os
 from pathlib import Path
 
 from devices import CUDA_SESSION_VARIABLE, cuda_session, cuda_skip_reason, pin_to_cpu
+from nshard.seam.launch_env import extensions_dir
 
 # One model/replay cache for the whole session (and for the ranks the tests launch), inside the checkout.
 os.environ.setdefault("NSHARD_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "nshard"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The venv's own directory for DeepSpeed's JIT ops, as a launched rank takes it (prepare_process_env), for the
+# processes the spawn harness starts too: torch's default is one directory for every venv of the user, where another
+# checkout's build, or a stale lock of a killed one, makes an engine built in a test wait.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
 if cuda_session():
     os.environ.setdefault("DS_ACCELERATOR", "cuda")
 else:  # before torch is imported: the CPU tests must not see a GPU, nor must the processes they start
@@ -13,6 +18,7 @@ else:  # before torch is imported: the CPU tests must not see a GPU, nor must th
 
 import pytest
 
+import launches
 import runs
 
 
@@ -26,6 +32,7 @@ namespace names, a core each) is in test_hosts.py, so they run one at a time."""
 
 
 def pytest_configure(config):
+    config.pluginmanager.register(launches.Plugin(config), "nshard-launches")
     config.addinivalue_line("markers", "cuda: runs on a GPU, in the CUDA session only (NSHARD_CUDA_TESTS=1 pytest -m cuda)")
 
 

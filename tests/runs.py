@@ -9,11 +9,14 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+import launches
+import warm
 from devices import pin_to_cpu
 from spawn import free_port
 
@@ -36,16 +39,28 @@ def run_env(extra: dict | None = None, cuda: bool = False) -> dict:
 
 def launch(out: Path, ds_config, world: int = 2, plan: str | Path = REPO / "launch/plans/tiny.toml",
            extra_args=(), check=True, timeout=600, mpi=False, env: dict | None = None,
-           cuda: bool = False) -> subprocess.CompletedProcess:
+           cuda: bool = False, shared: str | None = None, runner: bool = False) -> subprocess.CompletedProcess:
     """deepspeed --hostfile ... nshard/train.py with a ds_config path or dict; world 1 uses --num_gpus 1;
     mpi=True goes through DeepSpeed's openmpi launcher (mpirun) instead of its local one; env adds variables;
-    cuda=True leaves the GPUs visible (one rank per GPU: the CUDA tests launch world 1)."""
+    cuda=True leaves the GPUs visible (one rank per GPU: the CUDA tests launch world 1); shared names the
+    cached_run it makes (tests/launches.py counts those once per session).
+
+    The ranks start warm (tests/warm.py: forked from a preloaded worker, without DeepSpeed's runner) unless
+    runner=True, mpi, cuda, or NSHARD_TEST_RUNNER=1: the tests of a path users launch through DeepSpeed's runner
+    keep one launch of it (RUNNER_RUNS and the tests that pass runner=True; docs/testing.md#warm-ranks)."""
     if not LAUNCH_ALLOWED:
         raise AssertionError("a test outside the slow tier launched DeepSpeed: mark it @pytest.mark.slow")
     if isinstance(ds_config, dict):
         path = out.parent / f"{out.name}-ds_config.json"
         path.write_text(json.dumps(ds_config))
         ds_config = path
+    args = ["--ds_config", str(ds_config), "--plan", str(plan), "--out", str(out), *map(str, extra_args)]
+    described = launches.describe_launch(ds_config, world, plan, env, extra_args, mpi=mpi, cuda=cuda)
+    pool = None if runner or mpi or cuda or os.environ.get("NSHARD_TEST_RUNNER") == "1" else warm.worker(run_env())
+    if pool is not None and pool.fits(run_env(env)):
+        with launches.launching("warm", described, shared), tempfile.TemporaryDirectory(prefix="nshard-warm-") as logs:
+            proc = pool.launch(args, world, run_env(env), Path(logs), timeout)
+        return checked(proc, check)
     if world == 2:
         where = ["--hostfile", str(REPO / "hostfile"), "--no_ssh_check", "--master_addr", "127.0.0.1"]
     else:
@@ -53,9 +68,13 @@ def launch(out: Path, ds_config, world: int = 2, plan: str | Path = REPO / "laun
     if mpi:
         where = ["--launcher", "openmpi", "--force_multi", *where, "--launcher_args",
                  "--allow-run-as-root --mca btl_tcp_if_include lo -x OMP_NUM_THREADS -x NSHARD_CACHE -x PATH"]
-    cmd = [DEEPSPEED, *where, "--master_port", str(free_port()), str(REPO / "nshard/train.py"),
-           "--ds_config", str(ds_config), "--plan", str(plan), "--out", str(out), *extra_args]
-    proc = subprocess.run(cmd, cwd=REPO, env=run_env(env, cuda), capture_output=True, text=True, timeout=timeout)
+    cmd = [DEEPSPEED, *where, "--master_port", str(free_port()), str(REPO / "nshard/train.py"), *args]
+    with launches.launching("mpirun" if mpi else "deepspeed", described, shared):
+        proc = subprocess.run(cmd, cwd=REPO, env=run_env(env, cuda), capture_output=True, text=True, timeout=timeout)
+    return checked(proc, check)
+
+
+def checked(proc: subprocess.CompletedProcess, check: bool) -> subprocess.CompletedProcess:
     if check and proc.returncode != 0:
         raise AssertionError(f"run failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
@@ -105,17 +124,24 @@ def _locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+RUNNER_RUNS = {"ds-one", "ds-dense", "ds-zero1", "ds-zero2", "psgd-z0", "psgd-z1", "psgd-z2", "delta4-z2-fp32"}
+"""Shared runs launched through DeepSpeed's runner, not warm: one rank; two at stage 0, ZeRO-1 and ZeRO-2 with
+DeepSpeed's reduction and with PowerSGD; delta parameter sync. (Kill and resume: tests/test_resume.py; Open MPI:
+mpi=True; the emulated pair: tests/test_hosts.py.)"""
+
+
 def cached_run(tmp_root: Path, name: str, config: dict, world: int = 2, mpi: bool = False,
                plan: Path = REPO / "launch/plans/tiny.toml") -> Path:
     """Launch once per test session per name; later tests (in any pytest-xdist worker: tmp_root is shared and each
     name locked) reuse the run directory, for the same config and plan text only."""
     key = json.dumps([config, world, mpi, Path(plan).read_text()], sort_keys=True)
     out = tmp_root / name
+    launches.requested(name)
     with _locked(tmp_root / f".{name}.test-launch"):  # not .NAME.lock: that is the trainer's own (nshard/lock.py)
         done = tmp_root / f".{name}.key"
         if not done.is_file():
             shutil.rmtree(out, ignore_errors=True)  # a launch that failed earlier in the session
-            launch(out, config, world=world, mpi=mpi, plan=plan)
+            launch(out, config, world=world, mpi=mpi, plan=plan, shared=name, runner=name in RUNNER_RUNS)
             done.write_text(key)
         assert done.read_text() == key, f"run {name!r} was launched before with another configuration"
     return out
@@ -139,3 +165,32 @@ def tiny_config(base: str = "dense", lr: float = 2e-3, stage: int | None = None,
     if bf16:
         config["bf16"] = {"enabled": True}
     return config
+
+
+RESUME_UPDATES, RESUME_EVERY = 8, 2
+RESUME_PLAN = (REPO / "launch/plans/tiny.toml").read_text().replace("updates = 3", f"updates = {RESUME_UPDATES}") + (
+    f"\n[checkpoint]\nevery = {RESUME_EVERY}\nreplica_check_every = 1\n")
+"""The plan of the kill/resume and elastic tests: 8 updates, a complete state every 2 (the newest two kept)."""
+RESUME_POWERSGD = {"reducer": "powersgd", "rank": 4, "dense_warmup_updates": 1}
+
+
+def resume_plan(tmp_root: Path) -> Path:
+    """RESUME_PLAN as a file in the session's shared runs folder (the same bytes from every worker)."""
+    path = tmp_root / "resume.toml"
+    if not path.is_file() or path.read_text() != RESUME_PLAN:
+        tmp = tmp_root / f".resume.toml.{os.getpid()}"
+        tmp.write_text(RESUME_PLAN)
+        tmp.replace(path)
+    return path
+
+
+def resume_config(stage: int, bf16: bool = False, overlap: bool = False) -> dict:
+    section = {**RESUME_POWERSGD, "overlap_backward": True} if overlap else RESUME_POWERSGD
+    return tiny_config(stage=stage, nshard=section, bf16=bf16)
+
+
+def resume_reference(tmp_root: Path, stage: int, bf16: bool = False, world: int = 2) -> Path:
+    """An uninterrupted run of RESUME_PLAN under PowerSGD, once per session: the reference of the kill/resume tests
+    (tests/test_resume.py) and the saved state the elastic tests continue on another world size (test_elastic.py)."""
+    name = f"resume-whole-z{stage}{'-bf16' if bf16 else ''}{'-1r' if world == 1 else ''}"
+    return cached_run(tmp_root, name, resume_config(stage, bf16), world=world, plan=resume_plan(tmp_root))

@@ -12,7 +12,14 @@ import traceback
 from nshard.seam.launch_env import free_port  # tests import it from here
 
 
-def _child(fn, rank, world_size, port, args, results, backend="gloo"):
+PRELOAD = ["torch", "torch.distributed"]
+"""Imported once by the fork server the gloo ranks are forked from (not the CUDA ones: spawned, as CUDA needs)."""
+
+
+def _child(fn, rank, world_size, port, args, results, backend="gloo", env=None):
+    if env is not None:  # a forked rank has the fork server's environment: take the test's, as a spawned one would
+        os.environ.clear()
+        os.environ.update(env)
     # Two ranks on two cores: OpenMP spin-waiting otherwise makes collectives 50-200x slower.
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
@@ -32,12 +39,25 @@ def _child(fn, rank, world_size, port, args, results, backend="gloo"):
 
 
 def run_ranks(fn, world_size: int = 2, args: tuple = (), timeout_s: float = 120.0, backend: str = "gloo") -> list:
-    """fn(rank, world_size, *args) in `world_size` spawned processes; returns results by rank. backend "nccl"
-    puts rank r on GPU r (the CUDA tests)."""
-    ctx = mp.get_context("spawn")
+    """fn(rank, world_size, *args) in `world_size` processes; returns results by rank. gloo ranks are forked from a
+    fork server that imported torch once (multiprocessing's forkserver, one per test process), with the test's
+    environment; backend "nccl" spawns them and puts rank r on GPU r (the CUDA tests)."""
+    import launches
+
+    described = {"command": f"{fn.__module__}.{fn.__qualname__} on {world_size} {backend} rank(s)"}
+    with launches.launching("spawn", described):
+        return _run_ranks(fn, world_size, args, timeout_s, backend)
+
+
+def _run_ranks(fn, world_size, args, timeout_s, backend) -> list:
+    if backend == "gloo":
+        ctx, env = mp.get_context("forkserver"), dict(os.environ)
+        ctx.set_forkserver_preload(PRELOAD)
+    else:
+        ctx, env = mp.get_context("spawn"), None
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, backend))
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, backend, env))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -15,13 +15,9 @@ import torch
 from nshard.comm.feedback import conservation_record, mean_errors, spread_errors, total_record
 from nshard.run import elastic
 from nshard.run.state import StateError, find_resumable, read_manifest, sealed_states
-from runs import REPO, launch, receipts, tiny_config
+from runs import RESUME_UPDATES as UPDATES, launch, receipts, resume_plan, resume_reference
 
-UPDATES, EVERY = 4, 2
-PLAN = (REPO / "launch/plans/tiny.toml").read_text().replace("updates = 3", f"updates = {UPDATES}") + (
-    f"\n[checkpoint]\nevery = {EVERY}\n")
-POWERSGD = {"reducer": "powersgd", "rank": 4, "dense_warmup_updates": 1}
-RESUMED_AT = "update-000002"  # the newest state is removed, so the resumed run trains updates 3 and 4
+RESUMED_AT, RESUMED_UPDATE = "update-000006", 6  # the newest state is removed, so the resumed run trains 7 and 8
 
 
 # --- the rule, on plain tensors (fast) ---------------------------------------------------------------------------
@@ -96,26 +92,18 @@ def test_what_cannot_be_repartitioned_is_refused_with_the_fix(stage, delta, wrap
 # --- real runs (slow) ----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def plan(tmp_path_factory):
-    path = tmp_path_factory.mktemp("elastic-plan") / "elastic.toml"
-    path.write_text(PLAN)
-    return path
-
-
-_SAVED: dict = {}
+def plan(runs_root):
+    return resume_plan(runs_root)
 
 
 def saved_run(plan, root, stage: int, world: int, bf16: bool = False):
-    """One run per stage, world size and precision, shared by the parametrizations that resume from it."""
-    if (stage, world, bf16) not in _SAVED:
-        out = root / f"elastic-saved-z{stage}-w{world}{'-bf16' if bf16 else ''}"
-        launch(out, tiny_config(stage=stage, nshard=POWERSGD, bf16=bf16), world=world, plan=plan)
-        _SAVED[stage, world, bf16] = out
-    return _SAVED[stage, world, bf16]
+    """One run per stage, world size and precision: tests/test_resume.py's uninterrupted reference (two ranks), or
+    its twin on one rank."""
+    return resume_reference(root, stage, bf16, world)
 
 
 def interrupted_copy(src, dest):
-    """The saved run as if it had stopped after update 2: newer states, receipts and the export removed."""
+    """The saved run as if it had stopped after update 6: newer states, receipts and the export removed."""
     shutil.copytree(src, dest)
     for state in sealed_states(dest):
         if state.name != RESUMED_AT:
@@ -205,7 +193,7 @@ def check_elastic_resume(plan, runs_root, tmp_path, stage: int, saved_world: int
         assert receipt["world_size"] == world and receipt["updates"] == UPDATES
         [record] = receipt["elastic"]
         assert (record["from_world_size"], record["to_world_size"], record["zero_stage"], record["update"]) == (
-            saved_world, world, stage, 2)
+            saved_world, world, stage, RESUMED_UPDATE)
         assert record["optimizer_state_sha256"] == want_optimizer
         memory = record["error_memory"]
         assert memory["before"] == total_record(before) and memory["after"] == total_record(after)

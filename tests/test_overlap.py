@@ -356,18 +356,20 @@ def test_the_ingest_seam_with_overlap_trains_the_same_bits(runs_root, case):
     """The ingest seam: bf16 at stage 0 (two microbatches, fp32 sums, the hand-over through DeepSpeed's hooks),
     and ZeRO-2 with one microbatch per update, where without overlap the gradients go straight into the error
     memory and with it into fp32 sums (0 + g is g: the same M)."""
-    from runs import REPO, launch, tiny_config
+    from runs import REPO, cached_run, launch, tiny_config
 
     plan = REPO / "launch/plans/tiny.toml"
+    overlap = runs_root / f"overlap-{case}"
     if case == "bf16-stage0":
         config = lambda section: tiny_config(stage=0, nshard=section, bf16=True)
+        plain = cached_run(runs_root, "psgd-z0-bf16", config(SECTION))  # test_reducer_engine.py's bf16 run
     else:
         plan = runs_root / "tiny-one-microbatch-overlap.toml"
         plan.write_text((REPO / "launch/plans/tiny.toml").read_text().replace("microbatch_docs = 2",
                                                                              "microbatch_docs = 3"))
         config = lambda section: tiny_config(stage=2, nshard=section)
-    plain, overlap = runs_root / f"overlap-{case}-plain", runs_root / f"overlap-{case}"
-    launch(plain, config(SECTION), plan=plan)
+        plain = runs_root / f"overlap-{case}-plain"
+        launch(plain, config(SECTION), plan=plan)
     launch(overlap, config({**SECTION, "overlap_backward": True}), plan=plan)
     assert_same_training(plain, overlap)
     assert {m["microbatch_sums"] for m in metrics(plain)} == \

@@ -15,34 +15,20 @@ import pytest
 import torch
 
 from nshard.run.state import MANIFEST, StateError, find_resumable, sealed_states
-from runs import REPO, final_params, launch, receipts, run_env, tiny_config
-
-UPDATES, EVERY = 8, 2
-PLAN = (REPO / "launch/plans/tiny.toml").read_text().replace("updates = 3", f"updates = {UPDATES}") + (
-    f"\n[checkpoint]\nevery = {EVERY}\nreplica_check_every = 1\n")
-POWERSGD = {"reducer": "powersgd", "rank": 4, "dense_warmup_updates": 1}
-
-
-def config(stage: int, bf16: bool = False, overlap: bool = False) -> dict:
-    return tiny_config(stage=stage, nshard={**POWERSGD, "overlap_backward": True} if overlap else POWERSGD, bf16=bf16)
+from runs import (REPO, RESUME_EVERY as EVERY, RESUME_PLAN as PLAN, RESUME_POWERSGD as POWERSGD,
+                  RESUME_UPDATES as UPDATES, final_params, launch, receipts, resume_config as config, resume_plan,
+                  resume_reference, run_env, tiny_config)
 
 
 @pytest.fixture(scope="module")
-def plan(tmp_path_factory):
-    path = tmp_path_factory.mktemp("resume-plan") / "resume.toml"
-    path.write_text(PLAN)
-    return path
-
-
-_UNINTERRUPTED: dict = {}
+def plan(runs_root):
+    return resume_plan(runs_root)
 
 
 def uninterrupted(plan, root, stage: int, bf16: bool = False):
-    """The reference: the same plan and ds_config, run once without a fault."""
-    if (stage, bf16) not in _UNINTERRUPTED:
-        _UNINTERRUPTED[stage, bf16] = root / f"whole-z{stage}{'-bf16' if bf16 else ''}"
-        launch(_UNINTERRUPTED[stage, bf16], config(stage, bf16), plan=plan)
-    return _UNINTERRUPTED[stage, bf16]
+    """The reference: the same plan and ds_config, run once per session without a fault (shared with
+    tests/test_elastic.py, which continues its states on another world size)."""
+    return resume_reference(root, stage, bf16)
 
 
 def run_json(out) -> dict:
@@ -51,10 +37,13 @@ def run_json(out) -> dict:
 
 def kill_and_resume(plan, root, stage: int, fault: str, bf16: bool = False, overlap: bool = False):
     out = root / f"killed-z{stage}{'-bf16' if bf16 else ''}{'-overlap' if overlap else ''}-{fault.replace(':', '-')}"
-    killed = launch(out, config(stage, bf16, overlap), plan=plan, check=False, env={"NSHARD_FAULT": fault})
+    # The first case goes through DeepSpeed's runner (its launch.py stops the surviving rank), the others start warm.
+    runner = (stage, bf16, fault, overlap) == (0, False, "1:5", False)
+    killed = launch(out, config(stage, bf16, overlap), plan=plan, check=False, env={"NSHARD_FAULT": fault},
+                    runner=runner)
     assert killed.returncode != 0, "the fault hook did not stop the run"
     assert run_json(out)["status"] == "running"
-    launch(out, config(stage, bf16, overlap), plan=plan, extra_args=["--resume"])
+    launch(out, config(stage, bf16, overlap), plan=plan, extra_args=["--resume"], runner=runner)
     return out
 
 

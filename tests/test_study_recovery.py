@@ -3,7 +3,8 @@ resumes that arm from its newest complete state in the same run directory (nshar
 results.json say what the recovery redid and cost, and the arm's time counts the failed attempt.
 
 The fast tests check the plan key's refusals, the runner's bookkeeping and the report on a synthetic study; the slow
-one runs a tiny study whose candidate loses a rank and compares its parameter root with an uninterrupted twin arm's.
+one runs a tiny study whose candidate loses a rank and compares its parameter root with its uninterrupted twin's (the
+kill/resume tests' shared reference, tests/runs.py resume_reference).
 """
 
 from __future__ import annotations
@@ -37,6 +38,14 @@ def test_a_declared_fault_is_read_and_becomes_the_arms_nshard_fault():
     plan = fault_plan(phase="save", update=4)
     assert (plan.study.fault.arm, plan.study.fault.env()) == ("powersgd", "1:4:save")
     assert plan_from_dict({"model": {"spec": "tiny"}}).study.fault is None
+
+
+def test_the_fault_reaches_its_own_arms_first_attempt_and_nothing_else():
+    declared = fault_plan().study.fault
+    assert runner.attempt_fault(declared, "powersgd", 1) == "1:3:update"
+    assert runner.attempt_fault(declared, "powersgd", 2) is None  # the resumed attempt
+    assert runner.attempt_fault(declared, "dense", 1) is None  # another arm
+    assert runner.attempt_fault(None, "powersgd", 1) is None
 
 
 @pytest.mark.parametrize("fault, checkpoint, error", [
@@ -158,31 +167,28 @@ def test_a_recovered_arm_counts_its_failed_attempt_and_the_report_shows_the_reco
 # ---------------------------------------------------------------- a tiny study that loses a worker
 
 
-def recovery_plan(tmp: Path) -> Path:
-    """The tiny plan, 6 updates, a state every 2: the candidate loses rank 1 after update 5 on its first attempt;
-    `twin` is the same arm (ranks, ds_config, plan) without a fault."""
-    from runs import REPO, tiny_config
+def recovery_plan(tmp: Path, runs_root: Path) -> Path:
+    """tests/runs.py's kill/resume plan (8 updates, a state every 2) as a one-arm study whose arm loses rank 1 after
+    update 5 on its first attempt. Its uninterrupted twin is the kill/resume tests' shared reference
+    (runs.resume_reference): the same plan sections and ds_config, launched once per session."""
+    from runs import RESUME_PLAN, resume_config
 
-    (tmp / "powersgd.json").write_text(json.dumps(tiny_config("dense", nshard={
-        "reducer": "powersgd", "rank": 4, "dense_warmup_updates": 1})))
-    arms = "".join(f'\n[[study.arms]]\nname = "{name}"\nranks = 2\nds_config = "{tmp / "powersgd.json"}"\n'
-                   for name in ("powersgd", "twin"))
+    (tmp / "powersgd.json").write_text(json.dumps(resume_config(0)))
     plan = tmp / "tiny-recovery.toml"
-    plan.write_text((REPO / "launch/plans/tiny.toml").read_text().replace("updates = 3", "updates = 6")
-                    + "\n[checkpoint]\nevery = 2\n"
-                    + '\n[study]\ncandidate = "powersgd"\nspeed_baseline = "twin"\neval_max_new_tokens = 8\n'
-                    + "eval_batch_size = 16\nvalidate_regenerate = false\n"
-                    + '\n[study.fault]\narm = "powersgd"\nrank = 1\nupdate = 5\n' + arms)
+    plan.write_text(RESUME_PLAN + '\n[study]\ncandidate = "powersgd"\nspeed_baseline = "powersgd"\n'
+                    + "eval_max_new_tokens = 8\neval_batch_size = 16\nvalidate_regenerate = false\n"
+                    + '\n[study.fault]\narm = "powersgd"\nrank = 1\nupdate = 5\n'
+                    + f'\n[[study.arms]]\nname = "powersgd"\nranks = 2\nds_config = "{tmp / "powersgd.json"}"\n')
     return plan
 
 
 @pytest.mark.slow
-def test_a_study_that_loses_a_worker_resumes_the_arm_bit_identical_to_its_uninterrupted_twin(tmp_path):
-    from runs import REPO, run_env
+def test_a_study_that_loses_a_worker_resumes_the_arm_bit_identical_to_its_uninterrupted_twin(tmp_path, runs_root):
+    from runs import REPO, resume_reference, run_env
 
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "nshard.study", "--plan", str(recovery_plan(tmp_path)), "--out",
-                           str(out)], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "nshard.study", "--plan", str(recovery_plan(tmp_path, runs_root)),
+                           "--out", str(out)], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     arms = {a["name"]: a for a in json.loads((out / "study.json").read_text())["arms"]}
     first, resumed = arms["powersgd"]["attempts"]
@@ -190,8 +196,6 @@ def test_a_study_that_loses_a_worker_resumes_the_arm_bit_identical_to_its_uninte
     assert resumed["rc"] == 0 and resumed["fault"] is None and resumed["resumed_from_update"] == 4
     assert "export NSHARD_FAULT=1:5:update" in Path(first["log"]).read_text()
     assert "NSHARD_FAULT" not in Path(resumed["log"]).read_text()
-    [twin] = arms["twin"]["attempts"]
-    assert twin["rc"] == 0 and twin["fault"] is None and "NSHARD_FAULT" not in Path(twin["log"]).read_text()
     assert not (out / "failed").exists()  # resumed in its own run directory, not restarted from scratch
     # The resumed run continued the killed one's state: the receipts say so, and its weights are the twin's, bit
     # for bit.
@@ -199,8 +203,9 @@ def test_a_study_that_loses_a_worker_resumes_the_arm_bit_identical_to_its_uninte
     assert run["resumed_from_update"] == 4
     results = json.loads((out / "results.json").read_text())
     by_name = {a["name"]: a for a in results["arms"]}
+    twin = json.loads((resume_reference(runs_root, 0) / "run.json").read_text())
     assert len(by_name["powersgd"]["parameter_root"]) == 64
-    assert by_name["powersgd"]["parameter_root"] == by_name["twin"]["parameter_root"]
+    assert by_name["powersgd"]["parameter_root"] == run["parameter_root"] == twin["parameter_root"]
     # What the recovery redid and cost: rank 0 finished update 5 before the launcher stopped it.
     [recovery] = by_name["powersgd"]["recovery"]
     assert (recovery["resumed_from_update"], recovery["updates_reached"], recovery["updates_redone"]) == (4, 5, 1)
@@ -209,6 +214,5 @@ def test_a_study_that_loses_a_worker_resumes_the_arm_bit_identical_to_its_uninte
     assert execution["failed_attempts"] == 1 and execution["failed_attempts_s"] == pytest.approx(first["wall_s"])
     assert execution["complete_process_s"] == pytest.approx(execution["final_process_s"] + first["wall_s"])
     assert execution["device_seconds"] == pytest.approx(2 * execution["complete_process_s"])
-    assert by_name["twin"]["execution"]["failed_attempts"] == 0 and by_name["twin"]["recovery"] == []
     report = (out / "report.md").read_text()
     assert "| Recovery: resumed from update, updates redone, seconds lost | update 4, 1 redone, " in report

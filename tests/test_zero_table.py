@@ -1,5 +1,6 @@
 """The ZeRO stage comparison: optimizer memory per rank (2 gloo ranks, in process), the table writer on
-synthetic run directories (no launches), and one end-to-end run of launch/zero_stages.py (slow)."""
+synthetic run directories (no launches), the table of the six stage runs the suite shares, and launch/zero_stages.py
+end to end on stage 0 (slow)."""
 
 from __future__ import annotations
 
@@ -184,13 +185,28 @@ def test_zero_partitions_optimizer_state_and_keeps_fp32_masters_per_rank():
 # ---------------------------------------------------------------- end to end
 
 
+@pytest.fixture(scope="module")
+def stage_runs(runs_root):
+    """The comparison's six arms, as stage{0,1,2}-{dense,powersgd}: shared runs that other files launch too
+    (tests/test_arms.py's stages under DeepSpeed's reduction, tests/test_reducer_engine.py's under PowerSGD)."""
+    from runs import cached_run, tiny_config
+    from test_reducer_engine import psgd
+
+    dense = {0: ("ds-dense", tiny_config()), 1: ("ds-zero1", tiny_config("zero1")), 2: ("ds-zero2", tiny_config("zero2"))}
+    arms = {}
+    for stage in (0, 1, 2):
+        arms[f"stage{stage}-dense"] = cached_run(runs_root, *dense[stage])
+        arms[f"stage{stage}-powersgd"] = cached_run(runs_root, f"psgd-z{stage}", tiny_config(stage=stage, nshard=psgd()))
+    return arms
+
+
 @pytest.mark.slow
-def test_zero_stages_on_the_tiny_plan(tmp_path):
+def test_zero_table_of_the_shared_stage_runs(stage_runs, tmp_path):
     out = tmp_path / "zero-stages"
-    cmd = [sys.executable, "-m", "launch.zero_stages", "--out", str(out),
-           "--rank", "2", "--warmup", "1", "--lr", "2e-3"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out.mkdir()
+    for name, run in stage_runs.items():
+        (out / name).symlink_to(run, target_is_directory=True)
+    assert main([str(out)]) == 0
     rows = {(r["reducer"], r["stage"]): r for r in json.loads((out / "zero_table.json").read_text())["arms"]}
     assert len(rows) == 6 and all(r["ranks_agree"] for r in rows.values())
     assert len([x for x in (out / "zero_table.md").read_text().splitlines() if x.startswith("| stage")]) == 6
@@ -204,3 +220,19 @@ def test_zero_stages_on_the_tiny_plan(tmp_path):
         assert rows["powersgd", stage]["compressed_updates"] == 2
         assert rows["powersgd", stage]["payload_bytes_compressed_median"] < rows["deepspeed", stage][
             "payload_bytes_dense_median"]
+
+
+@pytest.mark.slow
+def test_zero_stages_script_runs_its_arms_and_writes_the_table(tmp_path):
+    """launch/zero_stages.py end to end, stage 0 only (its two arms through DeepSpeed's runner): the table of every
+    stage is the test above, from runs the suite launches anyway."""
+    out = tmp_path / "zero-stages"
+    cmd = [sys.executable, "-m", "launch.zero_stages", "--out", str(out), "--stages", "0",
+           "--rank", "2", "--warmup", "1", "--lr", "2e-3"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {(r["reducer"], r["stage"]): r for r in json.loads((out / "zero_table.json").read_text())["arms"]}
+    assert sorted(rows) == [("deepspeed", 0), ("powersgd", 0)] and all(r["ranks_agree"] for r in rows.values())
+    assert not (out / "stage0-powersgd" / "state").exists()  # the arms' resumable states are removed
+    assert rows["powersgd", 0]["compressed_updates"] == 2
+    assert rows["powersgd", 0]["payload_bytes_compressed_median"] < rows["deepspeed", 0]["payload_bytes_dense_median"]

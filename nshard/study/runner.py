@@ -207,6 +207,11 @@ def attempt_cost(attempts: list[dict], plan_sha: str, ds_sha: str) -> dict:
     return {"failed_attempts": len(failed), "failed_attempts_s": sum(a["wall_s"] for a in failed)}
 
 
+def attempt_fault(declared, arm: str, number: int) -> str | None:
+    """NSHARD_FAULT for attempt `number` of `arm`: the plan's [study.fault] on its own arm's first attempt only."""
+    return declared.env() if declared and declared.arm == arm and number == 1 else None
+
+
 def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: dict | None,
               hosts: dict | None = None) -> dict:
     """Train one arm unless it already finished with these inputs. An interrupted attempt (a killed rank, a
@@ -230,8 +235,7 @@ def train_arm(arm: ArmSpec, plan: Plan, plan_path: Path, out: Path, previous: di
     number = len(attempts) + 1
     while (out / "logs" / f"{arm.name}-attempt-{number}.log").exists():
         number += 1
-    declared = plan.study.fault
-    fault = declared.env() if declared and declared.arm == arm.name and number == 1 else None
+    fault = attempt_fault(plan.study.fault, arm.name, number)
     point = resume_point(run_dir, plan_path, ds_config, arm.ranks)
     recovery = []
     if point is not None:  # an attempt of an earlier study run was interrupted: continue it
