@@ -9,7 +9,9 @@ launch/hosts.sh and launch/setup.sh run it with any python3, from the checkout's
     python3 -m nshard.cgroups pids NAME...           # the processes in them
     python3 -m nshard.cgroups remove NAME... [--state DIR]   # rmdir them; undo a controller `pin` enabled
 
-Exit 2 with one line naming the fix when a forced mode cannot run here.
+`pin` writes the group's cgroup files (cpuset.cpus, cpuset.mems, cgroup.procs) or the process's affinity, and with
+--state DIR a record of what it enabled there. Exit 2 with one line naming the fix when a forced mode cannot run
+here.
 """
 
 from __future__ import annotations
@@ -272,9 +274,11 @@ def remove(names: list[str], state: Path | None = None, controller: str = "cpuse
     return left
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m nshard.cgroups", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser():
+    from nshard.cli import ArgumentParser
+
+    parser = ArgumentParser(prog="python3 -m nshard.cgroups", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("mode")
     p.add_argument("controller", choices=sorted(MODES))
@@ -289,7 +293,11 @@ def main(argv=None) -> int:
         p = sub.add_parser(command)
         p.add_argument("names", nargs="+")
         p.add_argument("--state", type=Path)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "mode":
             choice = choose(args.controller)

@@ -13,10 +13,16 @@ import hashlib
 import sys
 from pathlib import Path
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+
+
+def _toml():
+    """tomllib (tomli before Python 3.11), imported where a plan is read: launch/hosts.sh and launch/setup.sh build
+    nshard.cgroups' parser with whatever python3 the machine has, where tomli may be missing."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    return tomllib
 
 SPELLING_NOTE = "Every --flag_name is also accepted as --flag-name."
 
@@ -125,8 +131,8 @@ def parse_override(text: str) -> tuple[list[str], object]:
     if not sep or not 1 <= len(keys) <= 2 or not all(keys):
         raise PlanError(f"--set {text!r}: write SECTION.KEY=VALUE (or name=VALUE), e.g. --set train.updates=8")
     try:
-        parsed = tomllib.loads(f"value = {value}")
-    except tomllib.TOMLDecodeError:
+        parsed = _toml().loads(f"value = {value}")
+    except _toml().TOMLDecodeError:
         parsed = {}
     return keys, parsed["value"] if list(parsed) == ["value"] else value
 
@@ -161,8 +167,8 @@ def plan_with_overrides(plan_path: str | Path, overrides) -> Path:
     if not plan_path.is_file():
         load_plan(plan_path)  # raises the error a missing plan gets without --set
     try:
-        raw = tomllib.loads(plan_path.read_text())
-    except tomllib.TOMLDecodeError as exc:
+        raw = _toml().loads(plan_path.read_text())
+    except _toml().TOMLDecodeError as exc:
         raise PlanError(f"plan file {plan_path} is not valid TOML: {exc}") from None
     raw = {"name": raw.get("name", plan_path.stem), **apply_overrides(raw, overrides)}
     try:

@@ -344,7 +344,7 @@ def powersgd_receipt(tmp_path, compressed: list[bool]) -> dict:
     receipt.where_and_link = {"link": {"backend": "gloo"}}
     extra = {"zero_stage": 0, "reducer": "powersgd", "device": "cpu", "precision": {"compute": "bfloat16"},
              "optimizer": {"basic": "AdamW", "wrapper": "FP16_UnfusedOptimizer"},
-             "reduction_ran": reduction_ran(SimpleNamespace(name="powersgd", ledger=ledger), receipt),
+             "reduction_ran": reduction_ran(SimpleNamespace(name="powersgd", ledger=ledger, one_rank_skip=False), receipt),
              "numerics": numerics.record(False), "orthogonalization": {"setting": "auto", "matrices": 40, "fallbacks": 2},
              "compression_error_norm_after_last_update": 0.5 if compressed[-1] else None}
     return receipt.finish(tmp_path / "rank-0.json", "root", 1.0, extra)

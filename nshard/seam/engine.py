@@ -254,10 +254,10 @@ def install_reducer(engine, config: ReducerConfig | None):
 
     # A world of one rank reduces nothing (NSHARD_ONE_RANK_REDUCTION=run: the reference path, which flattens,
     # all-reduces with itself, divides by 1 and copies back, changing no bit).
-    one_rank = one_rank_skips()
     if config is None:
-        return DeepSpeedReduction(one_rank_skip=one_rank and patches.skip_one_rank_reduction(engine))
+        return DeepSpeedReduction(one_rank_skip=one_rank_skips() and patches.skip_one_rank_reduction(engine))
     check_device(config, torch.device(engine.device).type)  # before any collective or hook
+    one_rank = one_rank_skips()
     import functools
 
     import deepspeed.comm as ds_comm
