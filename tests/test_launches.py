@@ -95,16 +95,23 @@ def test_a_ds_config_reads_as_its_stage_precision_and_reducer():
 @pytest.mark.slow
 def test_warm_ranks_train_the_model_deepspeeds_runner_trains(runs_root, tmp_path):
     """The same configuration through DeepSpeed's runner (the shared run) and from the warm worker: the same bits,
-    the same records, and the warm ranks were forked (their start-up skipped the imports)."""
+    the same records, and the launch went to the warm worker (which forks its ranks). Not by start-up seconds: a
+    warm rank still loads the plan and checks its memory, and on a loaded machine that took longer than the runner's
+    imports (5.04 s against 4.07 s in one suite run)."""
+    import os
+
+    if os.environ.get("NSHARD_TEST_RUNNER") == "1":
+        pytest.skip("NSHARD_TEST_RUNNER=1 sends every launch through DeepSpeed's runner")
     real = cached_run(runs_root, "ds-dense", tiny_config())
     out = tmp_path / "warm"
+    before = len(launches.RECORDS)
     launch(out, tiny_config(), world=2)
+    assert [r["kind"] for r in launches.RECORDS[before:]] == ["warm"]
     got, want = final_params(out), final_params(real)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     for w, r in zip(receipts(out), receipts(real)):
         assert (w["rank"], w["world_size"], w["parameter_root"]) == (r["rank"], r["world_size"], r["parameter_root"])
         assert w["update_grad_bytes"] == r["update_grad_bytes"]
-        assert w["startup"]["phases"]["imports and checks"] < r["startup"]["phases"]["imports and checks"]
     assert json.loads((out / "run.json").read_text())["status"] == "complete"
 
 

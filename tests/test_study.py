@@ -102,8 +102,9 @@ def test_the_study_writes_its_outputs_and_reports_the_failed_arm(study):
     # Every arm records the AdamW implementation it ran, the same for all three (the baseline is not slowed).
     assert {a["execution"]["optimizer"] for a in results["arms"][:3]} == {"torch AdamW, fused"}
     assert "| AdamW implementation | torch AdamW, fused | torch AdamW, fused | torch AdamW, fused | failed |" in report
-    # ds_configs/dense.json reduces with DeepSpeed's own all-reduce; nshard's PowerSGD after the last backward.
-    assert "| Gradient reduction starts | DeepSpeed's own reduction | DeepSpeed's own reduction | after the last " \
+    # ds_configs/dense.json reduces with DeepSpeed's own all-reduce, except on one rank, which reduces nothing
+    # (nshard/seam/engine.py one_rank_skips); nshard's PowerSGD after the last backward.
+    assert "| Gradient reduction starts | none: one rank | DeepSpeed's own reduction | after the last " \
         "backward | failed |" in report
     # Where each second went, from the arms' own phase receipts: every finished arm has a column.
     assert "| Median update by phase, s (slowest rank) | one-rank (dense) | dense (dense) | powersgd (compressed) |" \
