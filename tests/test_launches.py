@@ -94,19 +94,31 @@ def test_a_ds_config_reads_as_its_stage_precision_and_reducer():
 
 @pytest.mark.slow
 def test_warm_ranks_train_the_model_deepspeeds_runner_trains(runs_root, tmp_path):
-    """The same configuration through DeepSpeed's runner (the shared run) and from the warm worker: the same bits,
-    the same records, and the launch went to the warm worker (which forks its ranks). Not by start-up seconds: a
-    warm rank still loads the plan and checks its memory, and on a loaded machine that took longer than the runner's
-    imports (5.04 s against 4.07 s in one suite run)."""
-    import os
+    """The same configuration through DeepSpeed's runner (the shared run) and from a warm worker, which forks its
+    ranks: the same bits and the same records. The test starts its own worker with the session's environment as it
+    is now: the session's worker takes a launch only where the variables read at import match the ones it started
+    with (runs.launch falls back to the runner otherwise), so going through it would not always test warm ranks."""
+    import tempfile
+    from pathlib import Path
 
-    if os.environ.get("NSHARD_TEST_RUNNER") == "1":
-        pytest.skip("NSHARD_TEST_RUNNER=1 sends every launch through DeepSpeed's runner")
+    import warm
+    from runs import run_env
+
     real = cached_run(runs_root, "ds-dense", tiny_config())
     out = tmp_path / "warm"
-    before = len(launches.RECORDS)
-    launch(out, tiny_config(), world=2)
-    assert [r["kind"] for r in launches.RECORDS[before:]] == ["warm"]
+    ds_config = tmp_path / "warm-ds_config.json"
+    ds_config.write_text(json.dumps(tiny_config()))
+    plan = REPO / "launch/plans/tiny.toml"
+    args = ["--ds_config", str(ds_config), "--plan", str(plan), "--out", str(out)]
+    pool = warm.Worker(run_env())
+    try:
+        assert pool.fits(run_env())
+        with launches.launching("warm", launches.describe_launch(ds_config, 2, plan, None, [])), \
+                tempfile.TemporaryDirectory(prefix="nshard-warm-") as logs:
+            proc = pool.launch(args, 2, run_env(), Path(logs), 600)
+    finally:
+        pool.close()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got, want = final_params(out), final_params(real)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     for w, r in zip(receipts(out), receipts(real)):
