@@ -130,9 +130,10 @@ def parse_override(text: str) -> tuple[list[str], object]:
     keys = key.strip().split(".")
     if not sep or not 1 <= len(keys) <= 2 or not all(keys):
         raise PlanError(f"--set {text!r}: write SECTION.KEY=VALUE (or name=VALUE), e.g. --set train.updates=8")
+    toml = _toml()
     try:
-        parsed = _toml().loads(f"value = {value}")
-    except _toml().TOMLDecodeError:
+        parsed = toml.loads(f"value = {value}")
+    except toml.TOMLDecodeError:
         parsed = {}
     return keys, parsed["value"] if list(parsed) == ["value"] else value
 
@@ -166,9 +167,10 @@ def plan_with_overrides(plan_path: str | Path, overrides) -> Path:
         return plan_path
     if not plan_path.is_file():
         load_plan(plan_path)  # raises the error a missing plan gets without --set
+    toml = _toml()
     try:
-        raw = _toml().loads(plan_path.read_text())
-    except _toml().TOMLDecodeError as exc:
+        raw = toml.loads(plan_path.read_text())
+    except toml.TOMLDecodeError as exc:
         raise PlanError(f"plan file {plan_path} is not valid TOML: {exc}") from None
     raw = {"name": raw.get("name", plan_path.stem), **apply_overrides(raw, overrides)}
     try:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from nshard import cgroups
+from spawn import require
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -125,8 +126,7 @@ def pinned_and_inherited(mode: str, name: str) -> tuple[str, str, str]:
 
 
 def test_affinity_pins_a_process_and_what_it_starts():
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("one core: pinning to it changes nothing")
+    require(len(os.sched_getaffinity(0)) >= 2, "two cores (pinning to the only one changes nothing)")
     assert pinned_and_inherited("affinity", "unused")[0] == "CPU affinity"
 
 
@@ -134,8 +134,8 @@ def test_the_machines_own_cgroup_cpuset_pins_a_process_and_what_it_starts(tmp_pa
     """The first cgroup mode this machine runs (v1 here; v2 where it has v2), for real: a group of its own name,
     removed again."""
     choice = cgroups.choose("cpuset", forced=None)
-    if choice.mode == "affinity" or len(os.sched_getaffinity(0)) < 2:
-        pytest.skip(f"no writable cpuset controller here ({'; '.join(choice.passed_over)})")
+    require(choice.mode != "affinity" and len(os.sched_getaffinity(0)) >= 2,
+            f"a writable cpuset controller and two cores ({'; '.join(choice.passed_over)})")
     name = f"nshard-test-{os.getpid()}"
     try:
         how = pinned_and_inherited(choice.mode, name)[0]

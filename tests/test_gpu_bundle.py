@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from runs import REPO
+from spawn import require
 
 pytestmark = pytest.mark.slow
 
@@ -32,8 +33,7 @@ def python312() -> str | None:
 
 def test_the_device_procedure_runs_offline_in_an_image_like_environment(tmp_path):
     py312 = python312()
-    if py312 is None:
-        pytest.skip("no Python 3.12 on this machine (the GPU image's): set NSHARD_PYTHON312 to run the rehearsal")
+    require(py312 is not None, "Python 3.12, the GPU image's (NSHARD_PYTHON312 names one)")
     proc = subprocess.run(["bash", "launch/gpu_rehearse.sh", str(tmp_path)], cwd=REPO, capture_output=True,
                           text=True, env={**os.environ, "NSHARD_PYTHON312": py312}, timeout=3600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]

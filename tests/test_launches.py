@@ -112,7 +112,6 @@ def test_warm_ranks_train_the_model_deepspeeds_runner_trains(runs_root, tmp_path
     args = ["--ds_config", str(ds_config), "--plan", str(plan), "--out", str(out)]
     pool = warm.Worker(run_env())
     try:
-        assert pool.fits(run_env())
         with launches.launching("warm", launches.describe_launch(ds_config, 2, plan, None, [])), \
                 tempfile.TemporaryDirectory(prefix="nshard-warm-") as logs:
             proc = pool.launch(args, 2, run_env(), Path(logs), 600)

@@ -19,6 +19,7 @@ import pytest
 
 from nshard.files import file_sha256
 from nshard.run.plan import PlanError, load_plan
+from spawn import require
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = sorted([*(REPO / "launch" / "plans").glob("*.toml"), *(REPO / "launch" / "recipe").glob("*.toml")])
@@ -41,8 +42,8 @@ def reference_plan_module():
         if text is not None and "nshard.schema" not in text:
             source = text
             break
-    if source is None or not git("log", "--format=%H", "--", "nshard/schema.py"):
-        pytest.skip("no git history with the commit that added nshard/schema.py (a shallow clone or a tarball)")
+    require(source is not None and bool(git("log", "--format=%H", "--", "nshard/schema.py")),
+            "git history with the commit that added nshard/schema.py (not a shallow clone or a tarball)")
     spec = importlib.util.spec_from_loader("reference_plan", loader=None)
     module = importlib.util.module_from_spec(spec)
     module.__file__ = str(REPO / "nshard" / "run" / "plan.py")  # where it finds the repository root from
