@@ -45,7 +45,8 @@ def launch(out: Path, ds_config, world: int = 2, plan: str | Path = REPO / "laun
     cuda=True leaves the GPUs visible (one rank per GPU: the CUDA tests launch world 1); shared names the
     cached_run it makes (tests/launches.py counts those once per session).
 
-    The ranks start warm (tests/warm.py: forked from a preloaded worker, without DeepSpeed's runner) unless
+    The ranks start warm (tests/warm.py: forked from a preloaded worker, without DeepSpeed's runner; a worker per
+    signature of the variables read at import, so `env` and the session's own variables may be anything) unless
     runner=True, mpi, cuda, or NSHARD_TEST_RUNNER=1: the tests of a path users launch through DeepSpeed's runner
     keep one launch of it (RUNNER_RUNS and the tests that pass runner=True; docs/testing.md#warm-ranks)."""
     if not LAUNCH_ALLOWED:
@@ -56,10 +57,10 @@ def launch(out: Path, ds_config, world: int = 2, plan: str | Path = REPO / "laun
         ds_config = path
     args = ["--ds_config", str(ds_config), "--plan", str(plan), "--out", str(out), *map(str, extra_args)]
     described = launches.describe_launch(ds_config, world, plan, env, extra_args, mpi=mpi, cuda=cuda)
-    pool = None if runner or mpi or cuda or os.environ.get("NSHARD_TEST_RUNNER") == "1" else warm.worker(run_env())
-    if pool is not None and pool.fits(run_env(env)):
+    if not (runner or mpi or cuda or os.environ.get("NSHARD_TEST_RUNNER") == "1"):
+        worker = warm.worker(run_env(env))
         with launches.launching("warm", described, shared), tempfile.TemporaryDirectory(prefix="nshard-warm-") as logs:
-            proc = pool.launch(args, world, run_env(env), Path(logs), timeout)
+            proc = worker.launch(args, world, run_env(env), Path(logs), timeout)
         return checked(proc, check)
     if world == 2:
         where = ["--hostfile", str(REPO / "hostfile"), "--no_ssh_check", "--master_addr", "127.0.0.1"]

@@ -95,9 +95,8 @@ def test_a_ds_config_reads_as_its_stage_precision_and_reducer():
 @pytest.mark.slow
 def test_warm_ranks_train_the_model_deepspeeds_runner_trains(runs_root, tmp_path):
     """The same configuration through DeepSpeed's runner (the shared run) and from a warm worker, which forks its
-    ranks: the same bits and the same records. The test starts its own worker with the session's environment as it
-    is now: the session's worker takes a launch only where the variables read at import match the ones it started
-    with (runs.launch falls back to the runner otherwise), so going through it would not always test warm ranks."""
+    ranks: the same bits and the same records. The launch goes to this process's worker for the session's
+    environment itself, not through runs.launch, which NSHARD_TEST_RUNNER=1 would hand to the runner."""
     import tempfile
     from pathlib import Path
 
@@ -110,13 +109,9 @@ def test_warm_ranks_train_the_model_deepspeeds_runner_trains(runs_root, tmp_path
     ds_config.write_text(json.dumps(tiny_config()))
     plan = REPO / "launch/plans/tiny.toml"
     args = ["--ds_config", str(ds_config), "--plan", str(plan), "--out", str(out)]
-    pool = warm.Worker(run_env())
-    try:
-        with launches.launching("warm", launches.describe_launch(ds_config, 2, plan, None, [])), \
-                tempfile.TemporaryDirectory(prefix="nshard-warm-") as logs:
-            proc = pool.launch(args, 2, run_env(), Path(logs), 600)
-    finally:
-        pool.close()
+    with launches.launching("warm", launches.describe_launch(ds_config, 2, plan, None, [])), \
+            tempfile.TemporaryDirectory(prefix="nshard-warm-") as logs:
+        proc = warm.worker(run_env()).launch(args, 2, run_env(), Path(logs), 600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got, want = final_params(out), final_params(real)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
@@ -134,3 +129,36 @@ def test_a_warm_rank_that_fails_stops_its_peer_and_the_launch_exits_with_its_cod
     proc = launch(out, tiny_config(), world=2, env={"NSHARD_FAULT": "1:2"}, check=False)
     assert proc.returncode == -9 & 0xFF  # launch.py's sys.exit(-9), as its shell sees it: 247
     assert json.loads((out / "run.json").read_text())["status"] == "running"
+
+
+@pytest.mark.slow
+def test_each_signature_of_the_variables_read_at_import_gets_a_warm_worker_of_its_own(tmp_path):
+    """A launch whose variables read at import differ from a worker's (a test's env=, or the session's own changed
+    since the worker started) gets a worker started with them, not DeepSpeed's runner; two stay alive, the least
+    recently used is closed, and a worker that was killed (an interrupted launch) or closed is never used again.
+    Starts real workers, launches nothing."""
+    import warm
+    from runs import run_env
+
+    plain, first_other, second_other = run_env(), run_env({"HF_NSHARD_TEST": "1"}), run_env({"HF_NSHARD_TEST": "2"})
+    assert warm.signature({"NSHARD_FAULT": "1:2", "WANDB_MODE": "offline"}) == ()  # read at run time: any value
+    assert warm.signature({"HF_HOME": "/h", "torch_home": "/t", "NSHARD_CACHE": "/c"}) == (("HF_HOME", "/h"),
+                                                                                      ("torch_home", "/t"))
+    pool = warm.Pool(size=2)
+    try:
+        first = pool.worker(plain)
+        assert pool.worker({**plain, "NSHARD_FAULT": "1:2"}) is first
+        second = pool.worker(first_other)
+        assert second is not first and first.alive() and second.alive()
+        assert pool.worker(plain) is first  # now the most recently used: the next new one closes `second`
+        third = pool.worker(second_other)
+        assert not second.alive() and first.alive() and third.alive() and list(pool.workers.values()) == [first, third]
+        with pytest.raises(ValueError, match="HF_NSHARD_TEST"):
+            first.launch(["--help"], 2, first_other, tmp_path, 60)
+        assert first.alive() and not list(tmp_path.iterdir())  # refused before anything was asked of it
+        first.kill()
+        again = pool.worker(plain)
+        assert again is not first and again.alive()
+    finally:
+        pool.close()
+    assert not pool.workers and not again.alive() and not third.alive()
