@@ -92,7 +92,7 @@ def pass_probability(n: int, discordance: float, margin_points: float, confidenc
         var = np.maximum(discordant - n * mean ** 2, 0.0) / (n - 1)
         lower = mean - z * np.sqrt(var) / math.sqrt(n)
         total += weight * float(p_w[100 * lower > margin_points].sum())
-    return min(total, 1.0)
+    return min(float(total), 1.0)  # a Python float: numpy's would make every comparison with it a numpy bool
 
 
 def cases_for_power(discordance: float, margin_points: float, confidence: float, target: float = 0.90,

@@ -6,6 +6,7 @@ keys that declare them. Pure logic: the fast tier."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -74,6 +75,8 @@ def test_the_declaration_says_the_power_and_the_cases_it_needs_before_any_case_i
     assert f["n"] == 128 and f["power"] < 0.5 and f["cases_needed"] > 1000
     big = screen_declaration(GROWN, {"cheapest": 768, "acronym": 768, "lookup": 1536}, {"lookup": 1536}, 0.99, 0.0)
     assert big["advantage"]["n_effective"] == pytest.approx(3072) and big["sufficient"]
+    # study.json holds it as written here: plain JSON (numpy's float from scipy made its comparisons numpy bools)
+    assert json.loads(json.dumps(big)) == big and type(big["advantage"]["power"]) is float
     lines = declaration_lines(big)
     assert lines[0].startswith("- advantage screen: grown − continued dense over 3,072 fresh cases, family-stratified")
     assert "at a true advantage of +3 points" in lines[0] and "first-cohort sub-screen" in lines[1]
