@@ -22,10 +22,12 @@ import launches
 import runs
 
 
-HEAVY_FIRST = ["test_study", "test_delta_sync", "test_checkpointing", "test_reducer_engine", "test_hosts", "test_gpu",
-               "test_resume", "test_monitors", "test_launch_scripts", "test_lm_eval", "test_zero_table",
-               "test_grow_train", "test_ownership", "test_red_team_resume", "test_arms", "test_capacity",
-               "test_chat_data", "test_models", "test_memory_plan", "test_replica_check"]
+HEAVY_FIRST = ["test_study", "test_launch_scripts", "test_hosts", "test_delta_sync", "test_checkpointing",
+               "test_reducer_engine", "test_gpu", "test_resume", "test_gpu_bundle", "test_zero_table",
+               "test_study_recovery", "test_ownership", "test_overlap", "test_lm_eval", "test_inputs", "test_capacity",
+               "test_grad_count", "test_generate", "test_grow_train", "test_elastic", "test_failures", "test_bf16_step",
+               "test_monitors", "test_red_team_resume", "test_arms", "test_chat_data", "test_models", "test_memory_plan",
+               "test_replica_check"]
 """pytest-xdist (--dist loadfile --no-loadscope-reorder) hands out whole files in collection order: the longest
 first, so the two workers finish together. Every test that brings up launch/hosts.sh's pair (machine-wide
 namespace names, a core each) is in test_hosts.py, so they run one at a time."""
