@@ -161,3 +161,31 @@ def test_every_microbatch_of_a_two_rank_update_is_one_of_the_one_rank_arms():
             for mb in rank_microbatches(docs, batch, world, rank, 2, PAD):
                 if not mb.filler:
                     assert torch.equal(one[tuple(d.doc_id for d in mb.docs)], mb.input_ids)
+
+
+def test_tokenize_weighs_each_response_through_its_end_of_turn_and_reads_the_vocabulary_once():
+    """tokenize() weighs the assistant's tokens up to and including <|im_end|>, and nothing after it; the
+    end-of-turn token is looked up in the vocabulary once per tokenizer, not once per document (get_vocab builds
+    the whole vocabulary each call: about 3 s of every rank's start-up on SmolLM2's 240 documents)."""
+    from nshard.run import data
+    from nshard.run.models import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model("tiny"))
+    calls = []
+    real = tokenizer.get_vocab
+    tokenizer.get_vocab = lambda: calls.append(1) or real()
+    docs = [data.Document(f"d{i}", "task", "lookup",
+                          ({"role": "user", "content": f"what is {i}?"}, {"role": "assistant", "content": f"{i * 7}"}),
+                          0.5 + i)
+            for i in range(5)]
+    out = [data.tokenize(tokenizer, doc, max_length=512) for doc in docs]
+    assert len(calls) == 1
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert data.end_of_turn_id(tokenizer) == im_end != tokenizer.unk_token_id
+    for doc, prepared in zip(docs, out):
+        weighted = [t for t, w in zip(prepared.input_ids, prepared.weights) if w]
+        last = max(i for i, w in enumerate(prepared.weights) if w)
+        assert prepared.input_ids[last] == im_end and weighted[-1] == im_end
+        assert set(w for w in prepared.weights if w) == {doc.response_weight}
+        assert tokenizer.decode(weighted[:-1]) == doc.messages[1]["content"]
+    assert len(calls) == 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,9 +155,23 @@ def _template_ids(tokenizer, messages, add_generation_prompt: bool) -> list[int]
     return list(out["input_ids"])
 
 
+_END_OF_TURN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def end_of_turn_id(tokenizer) -> int | None:
+    """The token that closes a chat turn: ChatML's <|im_end|> where the vocabulary has it, else EOS. Looked up once
+    per tokenizer: `get_vocab()` builds the whole vocabulary as a dict on every call (24 ms for SmolLM2's 49,152
+    tokens on one core), and a run tokenizes every document at start-up, so asking it per document cost each rank
+    about 3 s before its first update (240 documents of the main job)."""
+    if tokenizer not in _END_OF_TURN:
+        _END_OF_TURN[tokenizer] = (tokenizer.convert_tokens_to_ids("<|im_end|>")
+                                   if "<|im_end|>" in tokenizer.get_vocab() else tokenizer.eos_token_id)
+    return _END_OF_TURN[tokenizer]
+
+
 def _end_of_turn(tokenizer, prefix: list[int], start: int) -> int:
     """Index just past the assistant turn's end-of-turn token (template text after it, e.g. a newline, is not trained)."""
-    eot = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else tokenizer.eos_token_id
+    eot = end_of_turn_id(tokenizer)
     for t in range(len(prefix) - 1, start - 1, -1):
         if prefix[t] == eot:
             return t + 1
