@@ -166,7 +166,7 @@ def test_every_microbatch_of_a_two_rank_update_is_one_of_the_one_rank_arms():
 def test_tokenize_weighs_each_response_through_its_end_of_turn_and_reads_the_vocabulary_once():
     """tokenize() weighs the assistant's tokens up to and including <|im_end|>, and nothing after it; the
     end-of-turn token is looked up in the vocabulary once per tokenizer, not once per document (get_vocab builds
-    the whole vocabulary each call: about 3 s of every rank's start-up on SmolLM2's 240 documents)."""
+    the whole vocabulary each call: about 6.5 s of every rank's start-up on SmolLM2's 240 documents)."""
     from nshard.run import data
     from nshard.run.models import load_tokenizer, resolve_model
 

@@ -160,9 +160,9 @@ _END_OF_TURN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def end_of_turn_id(tokenizer) -> int | None:
     """The token that closes a chat turn: ChatML's <|im_end|> where the vocabulary has it, else EOS. Looked up once
-    per tokenizer: `get_vocab()` builds the whole vocabulary as a dict on every call (24 ms for SmolLM2's 49,152
-    tokens on one core), and a run tokenizes every document at start-up, so asking it per document cost each rank
-    about 3 s before its first update (240 documents of the main job)."""
+    per tokenizer: `get_vocab()` builds the whole vocabulary as a dict on every call (about 27 ms for SmolLM2's
+    49,152 tokens on one core), and a run tokenizes every document at start-up, so asking it per document cost each
+    rank of the main job (240 documents) about 6.5 s before its first update (launch/recipe/main-job-startup.md)."""
     if tokenizer not in _END_OF_TURN:
         _END_OF_TURN[tokenizer] = (tokenizer.convert_tokens_to_ids("<|im_end|>")
                                    if "<|im_end|>" in tokenizer.get_vocab() else tokenizer.eos_token_id)
