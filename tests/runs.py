@@ -58,9 +58,10 @@ def launch(out: Path, ds_config, world: int = 2, plan: str | Path = REPO / "laun
     args = ["--ds_config", str(ds_config), "--plan", str(plan), "--out", str(out), *map(str, extra_args)]
     described = launches.describe_launch(ds_config, world, plan, env, extra_args, mpi=mpi, cuda=cuda)
     if not (runner or mpi or cuda or os.environ.get("NSHARD_TEST_RUNNER") == "1"):
-        worker = warm.worker(run_env(env))
+        rank_env = run_env(env)
+        worker = warm.worker(rank_env)
         with launches.launching("warm", described, shared), tempfile.TemporaryDirectory(prefix="nshard-warm-") as logs:
-            proc = worker.launch(args, world, run_env(env), Path(logs), timeout)
+            proc = worker.launch(args, world, rank_env, Path(logs), timeout)
         return checked(proc, check)
     if world == 2:
         where = ["--hostfile", str(REPO / "hostfile"), "--no_ssh_check", "--master_addr", "127.0.0.1"]

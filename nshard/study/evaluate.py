@@ -120,10 +120,10 @@ def prompt_ids(tokenizer, case) -> list[int]:
 
 
 def stop_ids(tokenizer) -> list[int]:
-    ids = {tokenizer.eos_token_id}
-    if "<|im_end|>" in tokenizer.get_vocab():
-        ids.add(tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    return sorted(i for i in ids if i is not None)
+    """EOS and the token that closes a chat turn (the one training weighs last: nshard.run.data.end_of_turn_id)."""
+    from nshard.run.data import end_of_turn_id
+
+    return sorted(i for i in {tokenizer.eos_token_id, end_of_turn_id(tokenizer)} if i is not None)
 
 
 def scoring_batches(inputs: list[list[int]], batch_size: int) -> list[list[int]]:
