@@ -531,6 +531,7 @@ def train_owned(run: Run, overwrite: bool, resume_from: state_mod.ResumePoint | 
              "compression_error_norm_after_last_update": receipt.compression_error_norm,
              "precision": ds_precision(ds_config),
              "startup": startup(receipt.first_update_at),
+             "initial_broadcast": dict(patches.INITIAL_BROADCAST) or None,
              "experts": run.experts and {**run.experts.declared(), **experts_mod.summary(receipt.update_experts)},
              "budget": budget, "activation_checkpointing": engine_mod.checkpointing_record(engine), "frozen": frozen}
     body = receipt.finish(run.out / "receipts" / f"rank-{run.rank}.json", root, active_plus_checkpoint, extra)

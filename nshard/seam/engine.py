@@ -81,6 +81,8 @@ def build_engine(model: torch.nn.Module, config: dict):
     # free (the CPU), on a GPU only if the ds_config asks (patches.comms_logger_config); a user's block is kept.
     patches.comms_logger_config(config, patches.device_syncs_per_collective())
     patches.install_grad_count()  # DeepSpeed's gradient bytes, counted with the logger off too
+    # Rank 0's parameters go only to ranks that do not hold them already (NSHARD_INITIAL_BROADCAST=deepspeed: to all).
+    patches.agree_before_broadcast(reference_switch("NSHARD_INITIAL_BROADCAST", ("agree", "deepspeed")) == "agree")
     use_own_extensions()  # deepspeed.initialize loads its CPU collective (init_distributed) from there
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                            model_parameters=None if optimizer else model.parameters())

@@ -41,7 +41,9 @@ OPTIMIZER_API = ("param_groups",)
 # Private: the stage-0 all-reduce switch, zero_grad, which nshard replaces at stage 0 in fp32, and the reduction
 # epilogue of DeepSpeed's own backward, which nshard times (time_deepspeed_reduction); _config, whose
 # load_universal_checkpoint an elastic resume sets for its one load (engine.load_checkpoint_resharded).
-PRIVATE_ENGINE_ATTRS = ("enable_backward_allreduce", "zero_grad", "allreduce_gradients", "_config")
+PRIVATE_ENGINE_ATTRS = ("enable_backward_allreduce", "zero_grad", "allreduce_gradients", "_config",
+                        # agree_before_broadcast: the start's broadcast it asks before and what it reads there.
+                        "_broadcast_model", "seq_data_parallel_group", "dist_backend", "has_moe_layers")
 # ZeRO-1/2's reduction, which an nshard reducer silences (allreduce_bucket's stand-in uses flatten).
 PRIVATE_ZERO_ATTRS = ("gradient_reduction_w_predivide", "allreduce_bucket", "reduce_scatter", "overlap_comm", "flatten")
 # ZeRO-1/2's owned gradient partition, which the ingest seam's ZeroPartitionWriter fills directly.
@@ -149,6 +151,60 @@ def install_grad_count() -> None:
 
         counted._nshard_counted = True
         setattr(ds_comm, op, counted)
+
+
+INITIAL_BROADCAST: dict = {}
+"""What the engine's start did about rank 0's parameters (agree_before_broadcast), for the receipts."""
+_BROADCAST = {"agree": True}
+
+
+def agree_before_broadcast(agree: bool = True) -> None:
+    """DeepSpeed's engine starts by broadcasting every parameter from rank 0 (DeepSpeedEngine._broadcast_model): a
+    whole model copy over the link at every start (270 MB in bf16 for SmolLM2-135M, 3.4 GB for 1.7B), though every
+    nshard rank loads the same checked files and seeds alike. Ask first: each rank hashes its parameters
+    (receipts.parameter_root: names, dtypes, shapes and bytes), rank 0's 32-byte digest is broadcast the way DeepSpeed
+    broadcasts a parameter, and the broadcast runs only when some rank's digest differs (then as DeepSpeed runs it).
+    agree=False (NSHARD_INITIAL_BROADCAST=deepspeed, read by engine.build_engine) always broadcasts. Idempotent: a
+    later call only sets `agree` for the engines built after it."""
+    _BROADCAST["agree"] = agree
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    original = getattr(DeepSpeedEngine, "_broadcast_model", None)
+    if original is None:
+        raise DeepSpeedAPIMoved("deepspeed's DeepSpeedEngine lacks _broadcast_model, which nshard asks before (verified "
+                                "on 0.19.8); pin deepspeed>=0.19.8,<0.20 or port nshard/seam/patches.py")
+    if getattr(original, "_nshard_agreeing", False):
+        return
+
+    def agreeing(engine):
+        import deepspeed.comm as ds_comm
+        from deepspeed.utils import groups
+
+        from nshard.run.receipts import parameter_root
+
+        group = engine.seq_data_parallel_group
+        if (engine.dist_backend is None or engine.has_moe_layers or ds_comm.get_world_size(group=group) == 1
+                or not _BROADCAST["agree"]):
+            _record(ran=engine.dist_backend is not None, why="DeepSpeed's own")
+            return original(engine)
+        params = list(engine.module.named_parameters())
+        mine = bytes.fromhex(parameter_root(params))
+        device = params[0][1].device if params else engine.device
+        digest = torch.tensor(list(mine), dtype=torch.uint8, device=device)
+        ds_comm.broadcast(digest, groups._get_broadcast_src_rank(), group=group)
+        differs = torch.tensor([int(bytes(digest.cpu().tolist()) != mine)], dtype=torch.int32, device=device)
+        ds_comm.all_reduce(differs, op=ds_comm.ReduceOp.MAX, group=group)
+        if differs.item():
+            _record(ran=True, why="some rank's parameters differ from rank 0's")
+            return original(engine)
+        _record(ran=False, why="every rank holds rank 0's parameters", sha256=mine.hex())
+
+    def _record(**fields):
+        INITIAL_BROADCAST.clear()
+        INITIAL_BROADCAST.update(fields)
+
+    agreeing._nshard_agreeing = True
+    DeepSpeedEngine._broadcast_model = agreeing
 
 
 def time_deepspeed_reduction(engine) -> None:
