@@ -47,7 +47,8 @@ def parameter_root(named_params) -> str:
     for name, p in sorted(named_params, key=lambda kv: kv[0]):
         t = p.detach().contiguous().cpu()
         h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():  # hashlib reads the tensor's own memory (a host tensor is not copied)
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
 
 

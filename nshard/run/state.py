@@ -268,7 +268,7 @@ def first_divergence(named_params) -> str:
     """All ranks: the first parameter (in name order) whose bits differ between ranks, as 'NAME (ranks i, j differ
     from rank 0)', from each parameter's SHA-256 gathered from every rank. Run only once a check found a divergence."""
     named = sorted(named_params, key=lambda kv: kv[0])
-    mine = [hashlib.sha256(p.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    mine = [hashlib.sha256(p.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()).hexdigest()
             for _, p in named]
     by_rank = all_ranks(mine)
     for i, (name, _) in enumerate(named):
