@@ -412,3 +412,23 @@ def test_fused_experts_are_compressed_one_matrix_per_expert_keyed_by_name(ranks)
             assert stack["state"][part].keys() == slices["state"][part].keys()
             assert_all_equal(stack["state"][part], slices["state"][part])
         assert stack["state"]["shapes"] == {"moe.experts.w": (3, 12, 8), "moe.gate.weight": (3, 4)}
+
+
+def test_each_shape_groups_q_is_one_contiguous_range_covering_the_flat_q():
+    """reduce_q_into_outputs all-reduces each shape group's Q as one slice of the flat Q: the groups' matrices, in
+    layout order, must tile it exactly (a gap would leave a Q unreduced, an overlap would sum one twice)."""
+    from nshard.comm.layout import build_layout, group_matrices
+
+    shapes = {"a.w": (64, 48), "b.w": (48, 64), "c.w": (64, 48), "d.w": (64,), "mlp.experts.up": (3, 32, 48),
+              "e.w": (200, 48)}
+    layout = build_layout(shapes, 4, 2.0)
+    groups = group_matrices(layout)
+    assert [s for slots in groups for s in slots] == list(layout.matrices)
+    assert len(groups) == len(layout.groups) > 2
+    end = 0
+    for slots, group in zip(groups, layout.groups):
+        assert {(s.n, s.m) for s in slots} == {(group.n, group.m)} and len(slots) == group.count
+        for slot in slots:
+            assert slot.q_offset == end
+            end += slot.m * slot.r
+    assert end == layout.q_numel

@@ -94,6 +94,15 @@ def p_group(p_flat: torch.Tensor, group: GroupSlot) -> torch.Tensor:
     )
 
 
+def group_matrices(layout: Layout) -> list[tuple[MatrixSlot, ...]]:
+    """The matrices of each shape group, in layout order: a group's Q blocks are one contiguous range of the flat Q."""
+    out, start = [], 0
+    for group in layout.groups:
+        out.append(layout.matrices[start : start + group.count])
+        start += group.count
+    return out
+
+
 def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
     """The (shape[0], rest) matrix view PowerSGD compresses."""
     n = shape[0]

@@ -18,11 +18,12 @@ from nshard.comm.config import ReducerConfig
 from nshard.comm.dense import (InFlight, ShapeRegistry, abandon, all_reduce_mean_, check_buckets_cover, land,
                                sorted_grads, start_sum_)
 from nshard.comm.feedback import DeviceErrorMemory, ErrorMemory, build_error_memory
-from nshard.comm.layout import Layout, MatrixSlot, build_layout, check_same_shapes, p_block, p_group, q_block
+from nshard.comm.layout import (Layout, MatrixSlot, build_layout, check_same_shapes, group_matrices, p_block,
+                                 p_group, q_block)
 from nshard.comm.ledger import ByteLedger
 from nshard.comm.numerics import PinnedMatmuls, pinned
 from nshard.comm.orthogonal import orthonormalize_, resolve
-from nshard.comm.transport import Transport
+from nshard.comm.transport import AsyncTransport, Transport
 from nshard.phases import phase, timed
 
 PQ, ERROR_UPDATE = phase("powersgd_pq"), phase("error_update")
@@ -98,9 +99,10 @@ def orthogonalize(state: PowerSGDState) -> None:
 
 @timed("powersgd_pq")
 @pinned
-def compute_q(state: PowerSGDState, grads: Mapping[str, torch.Tensor]) -> None:
-    """Q = Mᵀ P (P orthonormal), each written into its block of the flat Q buffer."""
-    for slot in state.layout.matrices:
+def compute_q(state: PowerSGDState, grads: Mapping[str, torch.Tensor], slots: Sequence[MatrixSlot] | None = None) -> None:
+    """Q = Mᵀ P (P orthonormal) for every compressed matrix (or those of `slots`), each written into its block of the
+    flat Q buffer."""
+    for slot in state.layout.matrices if slots is None else slots:
         m = state.errors.matrix(slot.name, as_matrix(unit_grad(grads, slot)))
         torch.matmul(m.T, p_block(state.p_flat, slot), out=q_block(state.q_flat, slot))
 
@@ -128,8 +130,10 @@ def update_error(state: PowerSGDState, slot: MatrixSlot, m: torch.Tensor, grad: 
 
 
 @pinned
-def decompress_all(state: PowerSGDState, grads: Mapping[str, torch.Tensor]) -> None:
-    for slot in state.layout.matrices:
+def decompress_all(state: PowerSGDState, grads: Mapping[str, torch.Tensor],
+                   slots: Sequence[MatrixSlot] | None = None) -> None:
+    """Output and error for every compressed matrix (or those of `slots`), once its P and averaged Q are in."""
+    for slot in state.layout.matrices if slots is None else slots:
         grad = unit_grad(grads, slot)
         m = state.errors.matrix(slot.name, as_matrix(grad))  # before the gradient is overwritten
         decompress(p_block(state.p_flat, slot), q_block(state.q_flat, slot), grad)
@@ -190,6 +194,29 @@ def reduce_q(state: PowerSGDState, grads: Mapping[str, torch.Tensor], transport:
     q_sent = transport.all_reduce_sum_(state.q_flat)
     state.q_flat.div_(transport.world_size)
     return q_sent, previous_q
+
+
+def reduce_q_into_outputs(state: PowerSGDState, grads: Mapping[str, torch.Tensor], transport: AsyncTransport
+                          ) -> tuple[int, torch.Tensor | None]:
+    """Once P is summed, reduce_q() then decompress_all() with Q's all-reduce overlapped: orthogonalize, then per
+    shape group compute its Q and start the all-reduce of its contiguous block; then per group, in the same order,
+    wait, average and write its outputs and errors while the later groups' Q travel. Each Q element is the same sum
+    of the same addends as in the one flat all-reduce (on two ranks the same two), divided the same way, so outputs,
+    errors and Q are bit-identical to reduce_q() + decompress_all(). Returns the Q bytes sent and the previous Q."""
+    orthogonalize(state)
+    previous_q = state.q_flat.clone() if state.warm_start else None
+    flights, sent = [], 0
+    for slots in group_matrices(state.layout):
+        compute_q(state, grads, slots)
+        block = state.q_flat[slots[0].q_offset : slots[-1].q_offset + slots[-1].m * slots[-1].r]
+        handle, n = transport.start_all_reduce_sum_(block)
+        flights.append((handle, block, slots))
+        sent += n
+    for handle, block, slots in flights:
+        transport.wait(handle)
+        block.div_(transport.world_size)
+        decompress_all(state, grads, slots)
+    return sent, previous_q
 
 
 def finish_compressed(state: PowerSGDState, sent: dict[str, int], previous_q: torch.Tensor | None) -> None:
@@ -284,8 +311,9 @@ class SummedUpdate:
 class BucketedPowerSGD:
     """One update whose gradients arrive bucket by bucket (nshard/comm/overlap.py). Each bucket's launch does
     what reduce() does for its parameters before the P all-reduce (error update, P = M Q, per matrix) and starts
-    one all-reduce of its dense remainder and its P blocks; finish() waits, then runs reduce()'s rest unchanged
-    (orthogonalization per shape group, Q, output, error). Per matrix the arithmetic is reduce()'s, and on two
+    one all-reduce of its dense remainder and its P blocks; finish() waits, then runs reduce()'s rest with Q's
+    all-reduce started per shape group and each group's outputs and errors written as its Q lands
+    (reduce_q_into_outputs). Per matrix the arithmetic is reduce()'s, and on two
     ranks every summed element has the same two addends, so outputs, errors and Q are bit-identical to reduce().
     A warm-up update is the dense reducer's buckets."""
 
@@ -327,8 +355,7 @@ class BucketedPowerSGD:
         if not self.compressed:  # warm-up, or nothing to compress: recorded as reduce() records it
             state.ledger.record(state.updates, False, dense=sent["dense"])
         else:
-            sent["q"], previous_q = reduce_q(state, grads, self.transport)
-            decompress_all(state, grads)
+            sent["q"], previous_q = reduce_q_into_outputs(state, grads, self.transport)
             finish_compressed(state, sent, previous_q)
         state.updates += 1
 
