@@ -12,8 +12,7 @@ import torch
 from runs import REPO, launch, tiny_config
 
 from nshard.run.plan import CheckpointSection, load_plan
-from nshard.run.receipts import replica_digest, replica_fingerprint
-from nshard.run.state import replica_check_interval, sealed_states
+from nshard.run.state import replica_check_interval, replica_digest, replica_fingerprint, sealed_states
 
 
 def test_the_check_is_on_by_default_with_more_than_one_rank_and_off_for_one():

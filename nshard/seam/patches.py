@@ -161,11 +161,9 @@ _BROADCAST = {"agree": True}
 def agree_before_broadcast(agree: bool = True) -> None:
     """DeepSpeed's engine starts by broadcasting every parameter from rank 0 (DeepSpeedEngine._broadcast_model): a
     whole model copy over the link at every start (270 MB in bf16 for SmolLM2-135M, 3.4 GB for 1.7B), though every
-    nshard rank loads the same checked files and seeds alike. Ask first: each rank digests its parameters where they
-    live (receipts.replica_digest, as the periodic replica check does: on the host the SHA-256 parameter root of names,
-    dtypes, shapes and bytes; on a GPU the SHA-256 of an exact on-device fingerprint, so that no model copy reaches the
-    host), rank 0's 32-byte digest is broadcast the way DeepSpeed broadcasts a parameter, and the broadcast runs only
-    when some rank's digest differs (then as DeepSpeed runs it).
+    nshard rank loads the same checked files and seeds alike. Ask first: each rank hashes its parameters
+    (receipts.parameter_root: names, dtypes, shapes and bytes), rank 0's 32-byte digest is broadcast the way DeepSpeed
+    broadcasts a parameter, and the broadcast runs only when some rank's digest differs (then as DeepSpeed runs it).
     agree=False (NSHARD_INITIAL_BROADCAST=deepspeed, read by engine.build_engine) always broadcasts. Idempotent: a
     later call only sets `agree` for the engines built after it."""
     _BROADCAST["agree"] = agree
@@ -182,7 +180,7 @@ def agree_before_broadcast(agree: bool = True) -> None:
         import deepspeed.comm as ds_comm
         from deepspeed.utils import groups
 
-        from nshard.run.receipts import replica_digest
+        from nshard.run.receipts import parameter_root
 
         group = engine.seq_data_parallel_group
         if (engine.dist_backend is None or engine.has_moe_layers or ds_comm.get_world_size(group=group) == 1
@@ -190,7 +188,7 @@ def agree_before_broadcast(agree: bool = True) -> None:
             _record(ran=engine.dist_backend is not None, why="DeepSpeed's own")
             return original(engine)
         params = list(engine.module.named_parameters())
-        mine = bytes.fromhex(replica_digest(params))
+        mine = bytes.fromhex(parameter_root(params))
         device = params[0][1].device if params else engine.device
         digest = torch.tensor(list(mine), dtype=torch.uint8, device=device)
         ds_comm.broadcast(digest, groups._get_broadcast_src_rank(), group=group)
@@ -199,9 +197,7 @@ def agree_before_broadcast(agree: bool = True) -> None:
         if differs.item():
             _record(ran=True, why="some rank's parameters differ from rank 0's")
             return original(engine)
-        on_gpu = any(p.device.type != "cpu" for _, p in params)
-        _record(ran=False, why="every rank holds rank 0's parameters", sha256=mine.hex(),
-                of="the parameters' device fingerprint" if on_gpu else "the parameters' bytes (parameter root)")
+        _record(ran=False, why="every rank holds rank 0's parameters", sha256=mine.hex())
 
     def _record(**fields):
         INITIAL_BROADCAST.clear()
