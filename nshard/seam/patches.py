@@ -164,6 +164,9 @@ def agree_before_broadcast(agree: bool = True) -> None:
     nshard rank loads the same checked files and seeds alike. Ask first: each rank hashes its parameters
     (receipts.parameter_root: names, dtypes, shapes and bytes), rank 0's 32-byte digest is broadcast the way DeepSpeed
     broadcasts a parameter, and the broadcast runs only when some rank's digest differs (then as DeepSpeed runs it).
+    The SHA-256 of the bytes, even on a GPU (each parameter copied to the host to hash: seconds for 1.7B), not the
+    replica check's on-device fingerprint (state.replica_fingerprint): its sums of words are blind to a transposed
+    square weight, a plausible way for one host to load other weights.
     agree=False (NSHARD_INITIAL_BROADCAST=deepspeed, read by engine.build_engine) always broadcasts. Idempotent: a
     later call only sets `agree` for the engines built after it."""
     _BROADCAST["agree"] = agree
